@@ -1,0 +1,410 @@
+/* The copy engine: a pool of pthreads that share large memcpy work with the
+ * thread that asks for it.
+ *
+ *   fp_copier_t   the pool: workers, one mutex, one queue of runs
+ *     -> run      one fp_copier_run call: the caller's entries and a cursor
+ *                 over them; lives on the caller's stack
+ *       -> chunk  up to run->chunk bytes taken at the cursor; it may end
+ *                 inside an entry or span many small ones
+ *
+ * The caller queues its run, takes chunks of it alongside the pool, and then
+ * waits only for the chunks pool threads still hold. Runs are served oldest
+ * first; a caller only ever copies its own run, so its latency never depends
+ * on someone else's.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include "fastpin.h"
+
+/* Largest chunk: ~0.2-0.5 ms of one core's memcpy, long enough that taking
+ * the lock per chunk costs nothing, short enough to balance the tail. */
+#define FP_COPIER_CHUNK ((size_t)2 << 20)
+/* Smallest chunk a run is cut into when it is too small to give every
+ * thread a few 2 MiB chunks; below this a wakeup costs more than it saves. */
+#define FP_COPIER_CHUNK_MIN ((size_t)128 << 10)
+/* Chunks per thread we aim for, so threads that wake late still find work. */
+#define FP_COPIER_CHUNKS_PER_THREAD 4
+/* Runs smaller than this are copied by the caller alone, lock-free. */
+#define FP_COPIER_INLINE ((size_t)256 << 10)
+/* Cuts inside an entry end on this boundary of the destination, so two
+ * threads never write the same cache line. */
+#define FP_COPIER_CUT_ALIGN 64
+
+typedef struct fp_run_s {
+    const fp_copy_t *copies; /* the caller's entries; read-only while queued */
+    size_t count;            /* entries in copies; read-only */
+    size_t chunk;            /* bytes one claim aims for; read-only */
+    size_t next;             /* entry the next claim starts in (== count:
+                                all claimed); copier->lock */
+    size_t offset;           /* bytes of copies[next] already claimed;
+                                copier->lock */
+    int inflight;            /* chunks pool threads hold and have not
+                                finished; copier->lock */
+    struct fp_run_s *prev;   /* older neighbour while queued; copier->lock */
+    struct fp_run_s *after;  /* newer neighbour while queued; copier->lock */
+    int queued;              /* 1 while in the queue; copier->lock */
+    pthread_cond_t done;     /* signalled by the pool thread that finishes
+                                the last chunk; waited on by the caller */
+} fp_run_t;
+
+typedef struct fp_chunk_s {
+    size_t entry;  /* first entry the chunk touches */
+    size_t offset; /* where in that entry it starts */
+    size_t bytes;  /* total bytes, across as many entries as it spans */
+} fp_chunk_t;
+
+struct fp_copier_s {
+    pthread_mutex_t lock;  /* guards every field marked copier->lock */
+    pthread_cond_t work;   /* workers wait here when the queue is empty */
+    fp_run_t *head;        /* oldest run with unclaimed bytes; copier->lock */
+    fp_run_t *tail;        /* newest; copier->lock */
+    int idle;              /* workers waiting on `work`; copier->lock */
+    int stop;              /* set once by destroy; copier->lock */
+    int threads;           /* total parallelism, caller included; read-only */
+    int nworkers;          /* pool threads started (threads - 1); read-only
+                              after create */
+    pid_t pid;             /* process that started the pool; read-only */
+    pthread_t *workers;    /* nworkers handles; create and destroy only */
+};
+
+/* ---- runs and chunks (all under copier->lock) --------------------------- */
+
+static void fp_run_skip_empty(fp_run_t *run)
+{
+    while (run->next < run->count && run->copies[run->next].size == 0)
+        run->next++;
+}
+
+static int fp_run_exhausted(const fp_run_t *run)
+{
+    return run->next == run->count;
+}
+
+static void fp_queue_push(fp_copier_t *c, fp_run_t *run)
+{
+    run->prev = c->tail;
+    run->after = NULL;
+    if (c->tail)
+        c->tail->after = run;
+    else
+        c->head = run;
+    c->tail = run;
+    run->queued = 1;
+}
+
+static void fp_queue_unlink(fp_copier_t *c, fp_run_t *run)
+{
+    if (run->prev)
+        run->prev->after = run->after;
+    else
+        c->head = run->after;
+    if (run->after)
+        run->after->prev = run->prev;
+    else
+        c->tail = run->prev;
+    run->prev = run->after = NULL;
+    run->queued = 0;
+}
+
+#ifdef FP_DEBUG
+/* Invariants: the queue is a well-linked list of exactly the runs that have
+ * unclaimed bytes; a queued run's cursor points at a non-empty entry. */
+static int fp_copier_is_valid(const fp_copier_t *c)
+{
+    const fp_run_t *prev = NULL;
+    for (const fp_run_t *r = c->head; r; prev = r, r = r->after) {
+        if (r->prev != prev || !r->queued || fp_run_exhausted(r))
+            return 0;
+        if (r->offset >= r->copies[r->next].size || r->inflight < 0)
+            return 0;
+    }
+    return c->tail == prev && c->idle >= 0 && c->idle <= c->nworkers;
+}
+#define FP_COPIER_CHECK(c)                                                 \
+    do {                                                                   \
+        if (!fp_copier_is_valid(c))                                        \
+            abort();                                                       \
+    } while (0)
+#else
+#define FP_COPIER_CHECK(c) ((void)0)
+#endif
+
+/* Takes up to run->chunk bytes at the cursor; the run must not be
+ * exhausted. Dequeues the run when this claim takes its last bytes. */
+static fp_chunk_t fp_run_claim(fp_copier_t *c, fp_run_t *run)
+{
+    fp_chunk_t ch = {run->next, run->offset, 0};
+    size_t want = run->chunk;
+
+    while (want > 0 && run->next < run->count) {
+        const fp_copy_t *e = &run->copies[run->next];
+        size_t left = e->size - run->offset;
+        if (left <= want) {
+            ch.bytes += left;
+            want -= left;
+            run->next++;
+            run->offset = 0;
+            continue;
+        }
+        size_t take = want;
+        size_t trim = ((uintptr_t)e->dst + run->offset + take) %
+                      FP_COPIER_CUT_ALIGN;
+        if (take > trim)
+            take -= trim;
+        ch.bytes += take;
+        run->offset += take;
+        break;
+    }
+    fp_run_skip_empty(run);
+    if (fp_run_exhausted(run) && run->queued)
+        fp_queue_unlink(c, run);
+    return ch;
+}
+
+/* Runs without the lock: a chunk's bytes belong to whoever claimed it. */
+static void fp_chunk_copy(const fp_copy_t *copies, fp_chunk_t ch)
+{
+    size_t i = ch.entry, off = ch.offset, left = ch.bytes;
+    while (left > 0) {
+        const fp_copy_t *e = &copies[i];
+        size_t n = e->size - off;
+        if (n > left)
+            n = left;
+        if (n > 0)
+            memcpy((char *)e->dst + off, (const char *)e->src + off, n);
+        left -= n;
+        i++;
+        off = 0;
+    }
+}
+
+/* ---- the pool ------------------------------------------------------------ */
+
+static void *fp_copier_worker(void *arg)
+{
+    fp_copier_t *c = arg;
+
+    pthread_mutex_lock(&c->lock);
+    for (;;) {
+        while (!c->stop && c->head == NULL) {
+            c->idle++;
+            pthread_cond_wait(&c->work, &c->lock);
+            c->idle--;
+        }
+        if (c->stop)
+            break;
+        fp_run_t *run = c->head;
+        fp_chunk_t ch = fp_run_claim(c, run);
+        run->inflight++;
+        FP_COPIER_CHECK(c);
+        pthread_mutex_unlock(&c->lock);
+
+        /* inflight > 0 keeps the caller, and so `run`, waiting for us. */
+        fp_chunk_copy(run->copies, ch);
+
+        pthread_mutex_lock(&c->lock);
+        if (--run->inflight == 0 && fp_run_exhausted(run))
+            pthread_cond_signal(&run->done);
+    }
+    pthread_mutex_unlock(&c->lock);
+    return NULL;
+}
+
+/* Stops and joins the first `n` workers. */
+static void fp_copier_stop(fp_copier_t *c, int n)
+{
+    pthread_mutex_lock(&c->lock);
+    c->stop = 1;
+    pthread_cond_broadcast(&c->work);
+    pthread_mutex_unlock(&c->lock);
+    for (int i = 0; i < n; i++)
+        pthread_join(c->workers[i], NULL);
+}
+
+int fp_cpu_count(void)
+{
+    /* Start at glibc's default set size; grow for machines past 1024 CPUs. */
+    for (size_t ncpu = CPU_SETSIZE; ncpu <= ((size_t)1 << 20); ncpu *= 2) {
+        cpu_set_t *set = CPU_ALLOC(ncpu);
+        if (set == NULL)
+            break;
+        size_t size = CPU_ALLOC_SIZE(ncpu);
+        CPU_ZERO_S(size, set);
+        if (sched_getaffinity(0, size, set) == 0) {
+            int n = CPU_COUNT_S(size, set);
+            CPU_FREE(set);
+            return n > 0 ? n : 1;
+        }
+        int err = errno;
+        CPU_FREE(set);
+        if (err != EINVAL)
+            break;
+    }
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+int fp_copier_create(fp_copier_t **out, int threads)
+{
+    if (out == NULL)
+        return fp_error_set(FP_EINVAL, "copier: no output pointer");
+    *out = NULL;
+    if (threads < 0)
+        return fp_error_set(FP_EINVAL,
+                            "copier: threads must be >= 0, got %d", threads);
+    if (threads == 0) {
+        threads = fp_cpu_count();
+        if (threads > FP_COPIER_MAX_DEFAULT)
+            threads = FP_COPIER_MAX_DEFAULT;
+    }
+
+    fp_copier_t *c = calloc(1, sizeof *c);
+    if (c == NULL)
+        return fp_error_set(FP_EOS, "copier: out of memory");
+    c->threads = threads;
+    c->pid = getpid();
+    if (threads > 1) {
+        c->workers = calloc((size_t)threads - 1, sizeof *c->workers);
+        if (c->workers == NULL) {
+            free(c);
+            return fp_error_set(FP_EOS, "copier: out of memory");
+        }
+    }
+    pthread_mutex_init(&c->lock, NULL);
+    pthread_cond_init(&c->work, NULL);
+
+    /* Workers start with every signal blocked, so signals meant for the
+     * process (SIGINT for Python) land on threads that handle them. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int status = FP_OK;
+    for (int i = 0; i < threads - 1; i++) {
+        int rc = pthread_create(&c->workers[i], NULL, fp_copier_worker, c);
+        if (rc != 0) {
+            status = fp_error_set(FP_EOS,
+                                  "copier: starting thread %d of %d: %s",
+                                  i + 1, threads - 1, strerror(rc));
+            break;
+        }
+        pthread_setname_np(c->workers[i], "fastpin-copy");
+        c->nworkers++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+
+    if (status != FP_OK) {
+        fp_copier_stop(c, c->nworkers);
+        pthread_cond_destroy(&c->work);
+        pthread_mutex_destroy(&c->lock);
+        free(c->workers);
+        free(c);
+        return status;
+    }
+    *out = c;
+    return FP_OK;
+}
+
+void fp_copier_destroy(fp_copier_t *copier)
+{
+    if (copier == NULL)
+        return;
+    /* In a forked child the workers do not exist and the lock may have been
+     * held at the fork: joining would hang, locking might. Leak the stacks;
+     * free only what is ours. */
+    if (getpid() == copier->pid) {
+        fp_copier_stop(copier, copier->nworkers);
+        pthread_cond_destroy(&copier->work);
+        pthread_mutex_destroy(&copier->lock);
+    }
+    free(copier->workers);
+    free(copier);
+}
+
+int fp_copier_threads(const fp_copier_t *copier)
+{
+    return copier->threads;
+}
+
+int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count)
+{
+    if (copier == NULL || (copies == NULL && count > 0))
+        return fp_error_set(FP_EINVAL, "copier run: NULL argument");
+    /* Checked even for runs the caller could do alone, so a forked child
+     * learns at its first call, not at its first large one. */
+    if (getpid() != copier->pid)
+        return fp_error_set(FP_EINVAL,
+                            "copier belongs to process %d; this is process "
+                            "%d (create a new copier after fork)",
+                            (int)copier->pid, (int)getpid());
+
+    size_t total = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (copies[i].size == 0)
+            continue;
+        if (copies[i].dst == NULL || copies[i].src == NULL)
+            return fp_error_set(FP_EINVAL,
+                                "copier run: entry %zu has a NULL pointer "
+                                "and %zu bytes", i, copies[i].size);
+        if (__builtin_add_overflow(total, copies[i].size, &total))
+            return fp_error_set(FP_EINVAL, "copier run: sizes overflow");
+    }
+
+    if (total < FP_COPIER_INLINE || copier->nworkers == 0) {
+        for (size_t i = 0; i < count; i++)
+            if (copies[i].size > 0)
+                memcpy(copies[i].dst, copies[i].src, copies[i].size);
+        return FP_OK;
+    }
+
+    size_t chunk = total / ((size_t)copier->threads *
+                            FP_COPIER_CHUNKS_PER_THREAD);
+    if (chunk > FP_COPIER_CHUNK)
+        chunk = FP_COPIER_CHUNK;
+    if (chunk < FP_COPIER_CHUNK_MIN)
+        chunk = FP_COPIER_CHUNK_MIN;
+
+    fp_run_t run = {.copies = copies, .count = count, .chunk = chunk};
+    pthread_cond_init(&run.done, NULL);
+    fp_run_skip_empty(&run);
+
+    pthread_mutex_lock(&copier->lock);
+    fp_queue_push(copier, &run);
+    fp_chunk_t ch = fp_run_claim(copier, &run);
+    /* Wake as many workers as there are chunks left, and no more. */
+    size_t left = fp_run_exhausted(&run)
+                      ? 0
+                      : (total - ch.bytes + chunk - 1) / chunk;
+    size_t idle = (size_t)copier->idle;
+    FP_COPIER_CHECK(copier);
+    pthread_mutex_unlock(&copier->lock);
+
+    if (left > 0 && left >= idle)
+        pthread_cond_broadcast(&copier->work);
+    else
+        for (size_t i = 0; i < left; i++)
+            pthread_cond_signal(&copier->work);
+
+    for (;;) {
+        fp_chunk_copy(copies, ch);
+        pthread_mutex_lock(&copier->lock);
+        if (fp_run_exhausted(&run))
+            break;
+        ch = fp_run_claim(copier, &run);
+        FP_COPIER_CHECK(copier);
+        pthread_mutex_unlock(&copier->lock);
+    }
+    while (run.inflight > 0)
+        pthread_cond_wait(&run.done, &copier->lock);
+    pthread_mutex_unlock(&copier->lock);
+    pthread_cond_destroy(&run.done);
+    return FP_OK;
+}

@@ -1,0 +1,122 @@
+/* The CUDA driver, loaded at run time (after NCCL's cudawrap).
+ *
+ * Nothing here links against CUDA: libcuda.so.1 is opened with dlopen the
+ * first time anyone asks, its entry points go into one table, and the outcome
+ * (no driver / no device / ready) is remembered with the reason, so the
+ * package builds and runs on machines with no GPU. */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "fastpin.h"
+
+fp_cuda_t fp_cuda;
+
+static pthread_once_t fp_cuda_once = PTHREAD_ONCE_INIT;
+
+static void fp_cuda_set_reason(const char *fmt, const char *detail)
+{
+    snprintf(fp_cuda.reason, sizeof fp_cuda.reason, fmt, detail);
+}
+
+static void fp_cuda_load_once(void)
+{
+    const char *disable = getenv("FASTPIN_DISABLE_CUDA");
+    if (disable && disable[0] && strcmp(disable, "0") != 0) {
+        fp_cuda.state = FP_CUDA_NO_DRIVER;
+        fp_cuda_set_reason("%s", "disabled by FASTPIN_DISABLE_CUDA");
+        return;
+    }
+    /* RTLD_NOLOAD first: when PyTorch already loaded the driver we share
+     * its copy (the same one either way, but this avoids a path search). */
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (!lib)
+        lib = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!lib) {
+        fp_cuda.state = FP_CUDA_NO_DRIVER;
+        fp_cuda_set_reason("no CUDA driver: %s", dlerror());
+        return;
+    }
+#define FP_CUDA_LOAD(name, sym, params)                                     \
+    fp_cuda.name = (fp_##name##_fn)dlsym(lib, sym);                         \
+    if (!fp_cuda.name) {                                                    \
+        fp_cuda.state = FP_CUDA_NO_DRIVER;                                  \
+        fp_cuda_set_reason("the CUDA driver lacks %s (too old?)", sym);     \
+        return;                                                             \
+    }
+    FP_CUDA_ENTRY_POINTS(FP_CUDA_LOAD)
+#undef FP_CUDA_LOAD
+
+    fp_cuda.cuDriverGetVersion(&fp_cuda.driver_version);
+    fp_cu_result_t r = fp_cuda.cuInit(0);
+    if (r == FP_CUDA_SUCCESS)
+        r = fp_cuda.cuDeviceGetCount(&fp_cuda.device_count);
+    if (r != FP_CUDA_SUCCESS) {
+        const char *text = NULL;
+        if (fp_cuda.cuGetErrorString(r, &text) != FP_CUDA_SUCCESS || !text)
+            text = "unknown driver error";
+        fp_cuda.state = FP_CUDA_NO_DEVICE;
+        fp_cuda_set_reason("CUDA driver present but unusable: %s", text);
+        return;
+    }
+    if (fp_cuda.device_count == 0) {
+        fp_cuda.state = FP_CUDA_NO_DEVICE;
+        fp_cuda_set_reason("%s", "CUDA driver present but no device is visible");
+        return;
+    }
+    fp_cuda.state = FP_CUDA_READY;
+    fp_cuda_set_reason("%s", "ready");
+}
+
+static pid_t fp_cuda_pid; /* process that loaded the table */
+
+static void fp_cuda_load_and_mark(void)
+{
+    fp_cuda_load_once();
+    fp_cuda_pid = getpid();
+}
+
+int fp_cuda_load(void)
+{
+    pthread_once(&fp_cuda_once, fp_cuda_load_and_mark);
+    /* A child forked after the parent initialised CUDA inherits the table
+     * but cannot use the driver: it works on, unpinned. */
+    if (fp_cuda.state == FP_CUDA_READY && fp_cuda_pid != getpid()) {
+        fp_cuda.state = FP_CUDA_NO_DEVICE;
+        fp_cuda_set_reason("%s", "CUDA cannot be used in a process forked after CUDA was "
+                                 "initialised; memory is not page-locked here");
+    }
+    return fp_cuda.state;
+}
+
+int fp_cuda_error(fp_cu_result_t r, const char *what)
+{
+    const char *name = NULL, *text = NULL;
+    if (!fp_cuda.cuGetErrorName || fp_cuda.cuGetErrorName(r, &name) != 0 || !name)
+        name = "CUDA_ERROR";
+    if (!fp_cuda.cuGetErrorString || fp_cuda.cuGetErrorString(r, &text) != 0 || !text)
+        text = "unknown driver error";
+    return fp_error_set(FP_ECUDA, "%s failed: %s (%d): %s", what, name, r, text);
+}
+
+int fp_cuda_context_retain(int ordinal, fp_cu_context_t *ctx)
+{
+    if (fp_cuda_load() != FP_CUDA_READY)
+        return fp_error_set(FP_ECUDA, "%s", fp_cuda.reason);
+    if (ordinal < 0 || ordinal >= fp_cuda.device_count)
+        return fp_error_set(FP_EINVAL, "CUDA device %d does not exist (%d visible)",
+                            ordinal, fp_cuda.device_count);
+    fp_cu_device_t dev;
+    FP_CU_CHECK(cuDeviceGet(&dev, ordinal));
+    FP_CU_CHECK(cuDevicePrimaryCtxRetain(ctx, dev));
+    return FP_OK;
+}
+
+void fp_cuda_context_release(int ordinal)
+{
+    fp_cu_device_t dev;
+    if (fp_cuda.cuDeviceGet(&dev, ordinal) == FP_CUDA_SUCCESS)
+        FP_CU_IGNORE(cuDevicePrimaryCtxRelease(dev));
+}

@@ -1,0 +1,308 @@
+/* fastpin core: the map of the pieces.
+ *
+ *   fp_cuda      process-wide table of CUDA driver entry points, loaded at
+ *                run time from libcuda.so.1 (cuda.c). No driver: the rest
+ *                still works, memory is simply not page-locked.
+ *   fp_arena_t   one region of host memory (private mmap or memfd), registered
+ *                with CUDA once (arena.c)
+ *     -> size class   two-level segregated fit: 16 classes per power of two,
+ *                     so a block wastes at most 1/17 of itself above 4 KiB
+ *       -> block      a descriptor in a fixed table: offset and size in the
+ *                     region, physical neighbours, list links. Offsets and
+ *                     indices only, so the metadata can live in shared memory.
+ *   fp_lease_t   a reference-counted hold on one allocated block; Python
+ *                objects and DLPack exports each hold one. The last release
+ *                records an event on the consumer stream and hands the block
+ *                back through the arena's return stack (deferred free).
+ *   fp_copier_t  a pool of pthreads that does large memcpy in chunks (copier.c)
+ *
+ * Everything here is plain C: only module.c and dlpack.c include Python.h.
+ * Functions return an int status (FP_OK on success) and leave a message in
+ * a thread-local buffer (fp_error_message()); module.c turns it into an
+ * exception.
+ */
+#ifndef FASTPIN_H
+#define FASTPIN_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- status codes ------------------------------------------------------ */
+
+enum {
+    FP_OK = 0,
+    FP_ENOMEM = 1,  /* the arena has no room now (live blocks fill it) */
+    FP_ETOOBIG = 2, /* the request is larger than the arena's cap */
+    FP_ECUDA = 3,   /* a driver call failed; message holds the driver's text */
+    FP_EOS = 4,     /* an OS call failed; message holds strerror */
+    FP_EINVAL = 5,  /* bad argument */
+};
+
+/* Sets the calling thread's error message and returns `status`. */
+int fp_error_set(int status, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+const char *fp_error_message(void);
+
+/* ---- CUDA driver (cuda.c) ---------------------------------------------- */
+
+/* Opaque driver handles. The struct tags are the driver's own, so the test
+ * that compiles against cuda.h can check every prototype below. */
+/* cuda.h's CUresult is an enum; its ABI is an int (checked by test_cuda_decls). */
+typedef int fp_cu_result_t;
+typedef int fp_cu_device_t;
+typedef unsigned long long fp_cu_deviceptr_t;
+typedef struct CUctx_st *fp_cu_context_t;
+typedef struct CUstream_st *fp_cu_stream_t;
+typedef struct CUevent_st *fp_cu_event_t;
+
+#define FP_CUDA_SUCCESS 0
+#define FP_CUDA_ERROR_NOT_READY 600
+#define FP_CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED 712
+#define FP_CU_MEMHOSTREGISTER_PORTABLE 0x01
+#define FP_CU_STREAM_NON_BLOCKING 0x1
+#define FP_CU_EVENT_DISABLE_TIMING 0x2
+#define FP_CU_STREAM_LEGACY ((fp_cu_stream_t)0x1)
+
+enum {
+    FP_CUDA_NO_DRIVER = 0, /* libcuda.so.1 could not be loaded */
+    FP_CUDA_NO_DEVICE = 1, /* driver loaded, but cuInit or device query failed */
+    FP_CUDA_READY = 2,
+};
+
+/* X-macro of the entry points: (name, symbol loaded, parameter list).
+ * The symbol is the versioned one cuda.h maps the plain name to. */
+#define FP_CUDA_ENTRY_POINTS(X)                                               \
+    X(cuInit, "cuInit", (unsigned int flags))                                 \
+    X(cuDriverGetVersion, "cuDriverGetVersion", (int *version))               \
+    X(cuGetErrorString, "cuGetErrorString",                                   \
+      (fp_cu_result_t error, const char **str))                               \
+    X(cuGetErrorName, "cuGetErrorName",                                       \
+      (fp_cu_result_t error, const char **str))                               \
+    X(cuDeviceGetCount, "cuDeviceGetCount", (int *count))                     \
+    X(cuDeviceGet, "cuDeviceGet", (fp_cu_device_t * device, int ordinal))     \
+    X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain",                   \
+      (fp_cu_context_t * ctx, fp_cu_device_t dev))                            \
+    X(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2",              \
+      (fp_cu_device_t dev))                                                   \
+    X(cuCtxPushCurrent, "cuCtxPushCurrent_v2", (fp_cu_context_t ctx))         \
+    X(cuCtxPopCurrent, "cuCtxPopCurrent_v2", (fp_cu_context_t * ctx))         \
+    X(cuMemHostRegister, "cuMemHostRegister_v2",                              \
+      (void *p, size_t bytesize, unsigned int flags))                         \
+    X(cuMemHostUnregister, "cuMemHostUnregister", (void *p))                  \
+    X(cuStreamCreate, "cuStreamCreate",                                       \
+      (fp_cu_stream_t * stream, unsigned int flags))                          \
+    X(cuStreamDestroy, "cuStreamDestroy_v2", (fp_cu_stream_t stream))         \
+    X(cuStreamSynchronize, "cuStreamSynchronize", (fp_cu_stream_t stream))    \
+    X(cuStreamWaitEvent, "cuStreamWaitEvent",                                 \
+      (fp_cu_stream_t stream, fp_cu_event_t event, unsigned int flags))       \
+    X(cuEventCreate, "cuEventCreate",                                         \
+      (fp_cu_event_t * event, unsigned int flags))                            \
+    X(cuEventDestroy, "cuEventDestroy_v2", (fp_cu_event_t event))             \
+    X(cuEventRecord, "cuEventRecord",                                         \
+      (fp_cu_event_t event, fp_cu_stream_t stream))                           \
+    X(cuEventQuery, "cuEventQuery", (fp_cu_event_t event))                    \
+    X(cuEventSynchronize, "cuEventSynchronize", (fp_cu_event_t event))        \
+    X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2",                              \
+      (fp_cu_deviceptr_t dst, const void *src, size_t bytes,                  \
+       fp_cu_stream_t stream))
+
+#define FP_CUDA_TYPEDEF(name, sym, params) \
+    typedef fp_cu_result_t(*fp_##name##_fn) params;
+FP_CUDA_ENTRY_POINTS(FP_CUDA_TYPEDEF)
+#undef FP_CUDA_TYPEDEF
+
+typedef struct fp_cuda_s {
+    int state;          /* FP_CUDA_*; written once by fp_cuda_load */
+    int driver_version; /* e.g. 13000; 0 without a driver */
+    int device_count;   /* devices cuDeviceGetCount reported */
+    char reason[256];   /* why the state is not READY, for users */
+#define FP_CUDA_FIELD(name, sym, params) fp_##name##_fn name;
+    FP_CUDA_ENTRY_POINTS(FP_CUDA_FIELD)
+#undef FP_CUDA_FIELD
+} fp_cuda_t;
+
+/* The table; valid after fp_cuda_load() returned, read-only afterwards. */
+extern fp_cuda_t fp_cuda;
+
+/* Loads the driver once (later calls return the remembered outcome).
+ * FASTPIN_DISABLE_CUDA=1 in the environment forces FP_CUDA_NO_DRIVER. */
+int fp_cuda_load(void);
+
+/* Turns a driver result into FP_ECUDA with "<what>: <name>: <driver text>". */
+int fp_cuda_error(fp_cu_result_t r, const char *what);
+
+/* Retains the primary context of `ordinal` (shared with PyTorch) and returns
+ * it; pair with fp_cuda_context_release. */
+int fp_cuda_context_retain(int ordinal, fp_cu_context_t *ctx);
+void fp_cuda_context_release(int ordinal);
+
+/* The check trio (after NCCL's checks.h): return the status, or store it in
+ * `status` and jump to `label`, or ignore the result (cleanup paths). The
+ * message names the call. */
+#define FP_CU_CHECK(call)                                           \
+    do {                                                            \
+        fp_cu_result_t fp_r_ = fp_cuda.call;                        \
+        if (fp_r_ != FP_CUDA_SUCCESS)                               \
+            return fp_cuda_error(fp_r_, #call);                     \
+    } while (0)
+#define FP_CU_CHECK_GOTO(call, status, label)                       \
+    do {                                                            \
+        fp_cu_result_t fp_r_ = fp_cuda.call;                        \
+        if (fp_r_ != FP_CUDA_SUCCESS) {                             \
+            (status) = fp_cuda_error(fp_r_, #call);                 \
+            goto label;                                             \
+        }                                                           \
+    } while (0)
+#define FP_CU_IGNORE(call) ((void)fp_cuda.call)
+
+/* ---- atomics (after mimalloc's atomic.h: the order is in the name) ------ */
+
+#define fp_atomic_load_acquire(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define fp_atomic_load_relaxed(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define fp_atomic_store_release(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+#define fp_atomic_add_acq_rel(p, v) __atomic_add_fetch((p), (v), __ATOMIC_ACQ_REL)
+#define fp_atomic_sub_acq_rel(p, v) __atomic_sub_fetch((p), (v), __ATOMIC_ACQ_REL)
+#define fp_atomic_exchange_acq_rel(p, v) \
+    __atomic_exchange_n((p), (v), __ATOMIC_ACQ_REL)
+#define fp_atomic_cas_weak_release(p, expected, desired)                  \
+    __atomic_compare_exchange_n((p), (expected), (desired), 1,            \
+                                __ATOMIC_RELEASE, __ATOMIC_RELAXED)
+
+/* ---- arena (arena.c) --------------------------------------------------- */
+
+#define FP_GRANULE 256u        /* block size and alignment unit, bytes */
+#define FP_SL_LOG2 4           /* 16 second-level classes per power of two */
+#define FP_SL_COUNT (1u << FP_SL_LOG2)
+#define FP_FL_COUNT 32         /* first-level classes: sizes up to 2^43 bytes */
+#define FP_CLASS_COUNT (FP_FL_COUNT * FP_SL_COUNT)
+#define FP_NIL UINT32_MAX      /* "no block" in index links */
+
+enum {
+    FP_ARENA_SHARED = 1 << 0,  /* memfd, MAP_SHARED: usable by forked/spawned workers */
+    FP_ARENA_NO_CUDA = 1 << 1, /* never register, even with a GPU present */
+};
+
+typedef struct fp_arena_s fp_arena_t;
+
+typedef struct fp_arena_stats_s {
+    uint64_t capacity;        /* the cap, bytes */
+    uint64_t bytes_in_use;    /* sizes of blocks handed out or pending */
+    uint64_t bytes_requested; /* what callers asked for, of bytes_in_use */
+    uint64_t high_water;      /* most bytes_in_use ever */
+    uint64_t bytes_pending;   /* freed by their owner, waiting on an event */
+    uint64_t allocs;          /* successful allocations */
+    uint64_t failed;          /* allocations refused (no room or too big) */
+    uint64_t waits;           /* allocations that waited on an event */
+    uint32_t blocks_in_use;   /* handed out or pending */
+    uint32_t blocks_pending;
+    uint32_t max_blocks;      /* descriptor table size */
+    int registered;           /* 1 when page-locked with CUDA */
+    uint32_t class_blocks[FP_CLASS_COUNT]; /* blocks in use per size class */
+} fp_arena_stats_t;
+
+/* Creates an arena of `capacity` bytes (rounded up to FP_GRANULE) holding at
+ * most `max_blocks` blocks at once (0: a default). With a usable GPU (and no
+ * FP_ARENA_NO_CUDA), the data is registered once with cuMemHostRegister and
+ * `device` names the GPU whose primary context records free events. The
+ * caller owns one reference. */
+int fp_arena_create(fp_arena_t **out, uint64_t capacity, uint32_t max_blocks,
+                    int flags, int device);
+void fp_arena_incref(fp_arena_t *arena);
+void fp_arena_decref(fp_arena_t *arena); /* any thread; the last one unmaps */
+
+/* Allocates at least `size` bytes (0 is allowed: one granule). Blocks while
+ * the only room is held by blocks whose copy events have not completed;
+ * returns FP_ENOMEM when live blocks fill the arena, FP_ETOOBIG when `size`
+ * exceeds the cap. Never call with the GIL held. */
+int fp_arena_alloc(fp_arena_t *arena, uint64_t size, uint32_t *block,
+                   void **ptr);
+
+/* Deferred free, callable from any thread, never blocks on the allocator:
+ * records the block's event on `consumer` (when CUDA is in use; NULL means
+ * no GPU work can read the block) and pushes the block onto the return
+ * stack, which the next allocation drains. */
+void fp_arena_free(fp_arena_t *arena, uint32_t block, fp_cu_stream_t consumer);
+
+/* Returns completed blocks to the free lists now (drain + event query). */
+void fp_arena_collect(fp_arena_t *arena);
+
+void fp_arena_stats(fp_arena_t *arena, fp_arena_stats_t *stats);
+uint64_t fp_arena_capacity(const fp_arena_t *arena);
+int fp_arena_registered(const fp_arena_t *arena);
+void *fp_arena_base(const fp_arena_t *arena); /* start of the data */
+/* The primary context the arena retained (NULL when not registered). */
+fp_cu_context_t fp_arena_context(const fp_arena_t *arena);
+int fp_arena_fd(const fp_arena_t *arena);     /* memfd, or -1 if private */
+
+/* Size-class arithmetic, exposed for tests: the size a request is rounded
+ * to, and the class index (0 .. FP_CLASS_COUNT-1) of a block size. */
+uint64_t fp_arena_round(uint64_t size);
+uint32_t fp_arena_class(uint64_t size);
+
+/* Checks every invariant of the metadata; returns 1 when valid. Cheap enough
+ * for tests, too slow for the hot path (FP_DEBUG builds call it there). */
+int fp_arena_is_valid(fp_arena_t *arena);
+
+/* ---- lease: a counted hold on one block (arena.c) ---------------------- */
+
+typedef struct fp_lease_s {
+    int refcount;            /* atomic; the last release frees the block */
+    fp_arena_t *arena;       /* holds one arena reference */
+    uint32_t block;          /* descriptor index in the arena */
+    char *ptr;               /* first byte of the block */
+    uint64_t size;           /* bytes the caller asked for */
+    fp_cu_stream_t consumer; /* stream an event is recorded on at free */
+} fp_lease_t;
+
+/* Allocates a block and wraps it; the caller owns one reference. */
+int fp_lease_alloc(fp_arena_t *arena, uint64_t size, fp_lease_t **out);
+void fp_lease_incref(fp_lease_t *lease);
+void fp_lease_decref(fp_lease_t *lease); /* any thread, any time */
+
+/* ---- copier (copier.c) ------------------------------------------------- */
+
+typedef struct fp_copier_s fp_copier_t;
+
+typedef struct fp_copy_s {
+    void *dst;       /* destination; the run's caller owns it for the run */
+    const void *src; /* source; kept alive by the run's caller */
+    size_t size;     /* bytes; entries of 0 bytes are skipped */
+} fp_copy_t;
+
+/* Makes a pool whose parallelism is `threads`, the calling thread included
+ * (1: no pool threads, the caller copies alone; 0: the CPUs this process may
+ * use, capped at FP_COPIER_MAX_DEFAULT; negative: FP_EINVAL). *out is NULL on
+ * failure. The pool belongs to the process that made it: a run in a forked
+ * child returns FP_EINVAL, and destroy there only frees memory. */
+#define FP_COPIER_MAX_DEFAULT 16
+int fp_copier_create(fp_copier_t **out, int threads);
+/* Stops and joins the threads. Not to be called while a run is in flight. */
+void fp_copier_destroy(fp_copier_t *copier);
+int fp_copier_threads(const fp_copier_t *copier);
+/* Copies every entry, splitting large ones into chunks shared among the
+ * pool's threads and the caller; returns when all bytes are copied. Safe to
+ * call from many threads at once. Never call with the GIL held. */
+int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count);
+/* The number of CPUs this process may run on (sched_getaffinity). */
+int fp_cpu_count(void);
+
+/* ---- host-to-device staging (stage.c) --------------------------------- */
+
+typedef struct fp_h2d_s {
+    fp_cu_deviceptr_t dst; /* device address */
+    const void *src;       /* host address */
+    uint64_t size;         /* bytes */
+    int pinned;            /* src is page-locked: copy it directly */
+} fp_h2d_t;
+
+/* Queues every copy on `stream` (a stream of `ctx`), staging pageable sources
+ * through arena blocks of at most `chunk` bytes, each released to the stream.
+ * Returns once every DMA is queued; pageable sources may then be reused,
+ * pinned ones only after the stream has passed the copies. Never call with
+ * the GIL held. */
+int fp_stage_h2d(fp_copier_t *copier, fp_arena_t *arena, fp_cu_context_t ctx,
+                 fp_cu_stream_t stream, const fp_h2d_t *items, size_t count,
+                 uint64_t chunk);
+
+#endif /* FASTPIN_H */

@@ -1,0 +1,457 @@
+/* Tests for the copy engine (copier.c): every byte of every copy, runs from
+ * many threads at once, pool lifetimes, fork. Exits non-zero on failure. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fastpin.h"
+
+/* copier.c's FP_COPIER_CHUNK, FP_COPIER_CHUNK_MIN and FP_COPIER_INLINE;
+ * fastpin.h does not export them, so keep these in step by hand. */
+#define CHUNK ((size_t)2 << 20)
+#define CHUNK_MIN ((size_t)128 << 10)
+#define INLINE ((size_t)256 << 10)
+#define GUARD 64 /* bytes checked untouched on each side of a destination */
+
+/* Sanitizers: the same shapes, fewer iterations. Every large free costs
+ * tsan a page-in of shadow memory, so it gets the fewest. */
+#if defined(__SANITIZE_THREAD__)
+#define SLOW 8
+#elif defined(__SANITIZE_ADDRESS__)
+#define SLOW 4
+#else
+#define SLOW 1
+#endif
+
+static int failures; /* any thread adds, through fp_atomic_add_acq_rel */
+
+#define CHECK(cond, ...)                                                   \
+    do {                                                                   \
+        if (!(cond)) {                                                     \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+            fprintf(stderr, __VA_ARGS__);                                  \
+            fputc('\n', stderr);                                           \
+            fp_atomic_add_acq_rel(&failures, 1);                           \
+        }                                                                  \
+    } while (0)
+
+static uint64_t mix(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+/* A pattern that differs per byte and per `seed`, so a stale or unwritten
+ * byte shows. */
+static void fill(unsigned char *p, size_t n, uint64_t seed)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t v = mix(seed * 0x100000001b3ull + i);
+        memcpy(p + i, &v, 8);
+    }
+    for (; i < n; i++)
+        p[i] = (unsigned char)(mix(seed ^ (i << 20)) | 1);
+}
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (p == NULL) {
+        fprintf(stderr, "out of memory (%zu bytes)\n", n);
+        exit(2);
+    }
+    return p;
+}
+
+/* One destination with guards on both sides, and its source. */
+typedef struct buf_s {
+    unsigned char *src_base; /* allocation holding src */
+    unsigned char *dst_base; /* allocation holding guard, dst, guard */
+    unsigned char *src;      /* src_base + source offset */
+    unsigned char *dst;      /* dst_base + GUARD + destination offset */
+    size_t size;             /* bytes to copy */
+    size_t dst_span;         /* bytes of dst_base */
+    unsigned char before[GUARD + 128]; /* dst_base up to dst, as filled */
+    unsigned char after[GUARD];        /* dst_base past dst + size */
+} buf_t;
+
+static void buf_init(buf_t *b, size_t size, size_t src_off, size_t dst_off,
+                     uint64_t seed)
+{
+    b->size = size;
+    b->src_base = xmalloc(size + src_off);
+    b->dst_span = GUARD + dst_off + size + GUARD;
+    b->dst_base = xmalloc(b->dst_span);
+    b->src = b->src_base + src_off;
+    b->dst = b->dst_base + GUARD + dst_off;
+    fill(b->src, size, seed);
+    fill(b->dst_base, b->dst_span, ~seed);
+    memcpy(b->before, b->dst_base, GUARD + dst_off);
+    memcpy(b->after, b->dst + size, GUARD);
+}
+
+/* Every copied byte equals its source; the guards around it still hold what
+ * they held before the run. Returns 1 when right. */
+static int buf_verify(const buf_t *b, const char *what)
+{
+    if (b->size > 0 && memcmp(b->dst, b->src, b->size) != 0) {
+        size_t i = 0;
+        while (b->dst[i] == b->src[i])
+            i++;
+        fprintf(stderr, "FAIL %s: %zu bytes: first wrong byte at %zu "
+                        "(got %02x, want %02x)\n",
+                what, b->size, i, b->dst[i], b->src[i]);
+        fp_atomic_add_acq_rel(&failures, 1);
+        return 0;
+    }
+    size_t lo = (size_t)(b->dst - b->dst_base);
+    int ok = memcmp(b->before, b->dst_base, lo) == 0 &&
+             memcmp(b->after, b->dst + b->size, GUARD) == 0;
+    if (!ok) {
+        fprintf(stderr, "FAIL %s: %zu bytes: wrote outside the destination\n",
+                what, b->size);
+        fp_atomic_add_acq_rel(&failures, 1);
+    }
+    return ok;
+}
+
+static void buf_free(buf_t *b)
+{
+    free(b->src_base);
+    free(b->dst_base);
+}
+
+/* Copies `n` buffers of the given sizes in one run and checks them. */
+static void check_run(fp_copier_t *c, const size_t *sizes, size_t n,
+                      size_t src_off, size_t dst_off, uint64_t seed,
+                      const char *what)
+{
+    buf_t *bufs = xmalloc(n * sizeof *bufs);
+    fp_copy_t *copies = xmalloc(n * sizeof *copies);
+    for (size_t i = 0; i < n; i++) {
+        buf_init(&bufs[i], sizes[i], (src_off + i) % 61, (dst_off + i) % 67,
+                 seed * 1000003u + i);
+        copies[i] = (fp_copy_t){bufs[i].dst, bufs[i].src, sizes[i]};
+    }
+    int rc = fp_copier_run(c, copies, n);
+    CHECK(rc == FP_OK, "%s: run returned %d: %s", what, rc,
+          fp_error_message());
+    for (size_t i = 0; i < n; i++)
+        if (!buf_verify(&bufs[i], what))
+            break;
+    for (size_t i = 0; i < n; i++)
+        buf_free(&bufs[i]);
+    free(bufs);
+    free(copies);
+}
+
+static void check_single(fp_copier_t *c, size_t size, size_t src_off,
+                         size_t dst_off, uint64_t seed)
+{
+    char what[128];
+    snprintf(what, sizeof what, "threads=%d size=%zu src+%zu dst+%zu",
+             fp_copier_threads(c), size, src_off, dst_off);
+    check_run(c, &size, 1, src_off, dst_off, seed, what);
+}
+
+/* Sizes around every boundary the copier has: the inline threshold, the
+ * smallest and the largest chunk, plus a big one. */
+static void test_sizes(fp_copier_t *c, uint64_t seed)
+{
+    const size_t sizes[] = {
+        0, 1, 255, 4096, INLINE - 1, INLINE, INLINE + 1,
+        CHUNK_MIN - 1, CHUNK_MIN + 1, 3 * CHUNK_MIN + 7,
+        CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1, 5 * CHUNK - 3,
+        (size_t)64 << 20,
+    };
+    const size_t offs[][2] = {{0, 0}, {1, 0}, {0, 3}, {7, 13}, {63, 1}};
+    for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++)
+        for (size_t o = 0; o < sizeof offs / sizeof *offs; o++) {
+            if (sizes[s] >= ((size_t)64 << 20) && o > 1)
+                continue; /* two shapes of the big one are enough */
+            check_single(c, sizes[s], offs[o][0], offs[o][1],
+                         seed + s * 16 + o);
+        }
+}
+
+/* Many entries in one run: tiny ones (grouped into chunks), tiny ones
+ * between large ones, empty ones. */
+static void test_many(fp_copier_t *c, uint64_t seed)
+{
+    enum { N = 10000 };
+    size_t *sizes = xmalloc(N * sizeof *sizes);
+    char what[96];
+
+    for (size_t i = 0; i < N; i++)
+        sizes[i] = 1 + mix(seed + i) % 200; /* ~1 MB: goes to the pool */
+    snprintf(what, sizeof what, "threads=%d 10000 tiny",
+             fp_copier_threads(c));
+    check_run(c, sizes, N, 0, 0, seed, what);
+
+    for (size_t i = 0; i < N; i++)
+        sizes[i] = mix(seed + i) % 24; /* some empty, ~115 KB: inline */
+    snprintf(what, sizeof what, "threads=%d 10000 tiny, inline",
+             fp_copier_threads(c));
+    check_run(c, sizes, N, 5, 9, seed + 1, what);
+
+    size_t mixed[] = {0, 3, CHUNK + 5, 0, 0, 1, 17, 3 * CHUNK_MIN, 2,
+                      CHUNK - 1, 0, 300000, 1, 0};
+    snprintf(what, sizeof what, "threads=%d mixed", fp_copier_threads(c));
+    check_run(c, mixed, sizeof mixed / sizeof *mixed, 3, 1, seed + 2, what);
+
+    size_t empties[] = {0, 0, 0};
+    check_run(c, empties, 3, 0, 0, seed + 3, "all empty");
+    CHECK(fp_copier_run(c, NULL, 0) == FP_OK, "empty run: %s",
+          fp_error_message());
+    free(sizes);
+}
+
+static void test_bad_input(fp_copier_t *c)
+{
+    unsigned char a[16] = {1, 2, 3}, b[16] = {4, 5, 6};
+    fp_copy_t bad = {NULL, a, sizeof a};
+    CHECK(fp_copier_run(c, &bad, 1) == FP_EINVAL, "NULL dst accepted");
+    CHECK(strstr(fp_error_message(), "NULL") != NULL, "message: %s",
+          fp_error_message());
+    CHECK(fp_copier_run(c, NULL, 2) == FP_EINVAL, "NULL copies accepted");
+    fp_copy_t empty = {NULL, NULL, 0};
+    CHECK(fp_copier_run(c, &empty, 1) == FP_OK, "NULL with 0 bytes refused");
+    fp_copy_t overflow[2] = {{b, a, SIZE_MAX}, {b, a, 2}};
+    CHECK(fp_copier_run(c, overflow, 2) == FP_EINVAL, "overflow accepted");
+    CHECK(b[0] == 4, "bad run wrote");
+}
+
+/* ---- many callers at once ----------------------------------------------- */
+
+typedef struct caller_s {
+    fp_copier_t *copier; /* shared by all callers */
+    int id;              /* which caller */
+    int iterations;      /* runs to make */
+} caller_t;
+
+static void *caller_main(void *arg)
+{
+    caller_t *t = arg;
+    /* Shapes that take every path: inline, one chunk, many chunks, many
+     * entries, a mix. */
+    static const size_t shapes[][4] = {
+        {100, 0, 0, 0},
+        {INLINE + 3, 0, 0, 0},
+        {CHUNK + 1, 5, 0, 0},
+        {3 * CHUNK + 11, 0, 0, 0},
+        {CHUNK_MIN, CHUNK_MIN + 1, 77, 1 << 20},
+        {0, 1, 0, 400000},
+    };
+    const size_t nshapes = sizeof shapes / sizeof *shapes;
+    for (int it = 0; it < t->iterations; it++) {
+        const size_t *sizes = shapes[(size_t)(it + t->id) % nshapes];
+        char what[64];
+        snprintf(what, sizeof what, "caller %d iteration %d", t->id, it);
+        check_run(t->copier, sizes, 4, (size_t)it % 9, (size_t)t->id,
+                  ((uint64_t)t->id << 32) + (uint64_t)it, what);
+    }
+    return NULL;
+}
+
+static void test_concurrent(int threads, int callers, int iterations)
+{
+    fp_copier_t *c;
+    int rc = fp_copier_create(&c, threads);
+    CHECK(rc == FP_OK, "create(%d): %s", threads, fp_error_message());
+    if (rc != FP_OK)
+        return;
+    pthread_t tid[16];
+    caller_t args[16];
+    for (int i = 0; i < callers; i++) {
+        args[i] = (caller_t){c, i, iterations};
+        if (pthread_create(&tid[i], NULL, caller_main, &args[i]) != 0) {
+            fprintf(stderr, "FAIL: pthread_create\n");
+            exit(2);
+        }
+    }
+    for (int i = 0; i < callers; i++)
+        pthread_join(tid[i], NULL);
+    fp_copier_destroy(c);
+}
+
+/* ---- lifetimes, arguments, fork ---------------------------------------- */
+
+static void test_create_destroy(int loops)
+{
+    for (int i = 0; i < loops; i++) {
+        fp_copier_t *c;
+        int threads = 1 + i % 6;
+        int rc = fp_copier_create(&c, threads);
+        CHECK(rc == FP_OK, "create(%d): %s", threads, fp_error_message());
+        if (rc != FP_OK)
+            return;
+        CHECK(fp_copier_threads(c) == threads, "threads %d != %d",
+              fp_copier_threads(c), threads);
+        if (i % 3 == 0) {
+            size_t size = CHUNK + (size_t)i;
+            check_run(c, &size, 1, (size_t)i % 7, 0, (uint64_t)i + 5000,
+                      "create/destroy loop");
+        }
+        fp_copier_destroy(c);
+    }
+    fp_copier_destroy(NULL);
+}
+
+static void test_threads_arg(void)
+{
+    fp_copier_t *c = (fp_copier_t *)&c; /* must be reset on failure */
+    CHECK(fp_copier_create(&c, -1) == FP_EINVAL, "threads=-1 accepted");
+    CHECK(c == NULL, "out not cleared on failure");
+    CHECK(strstr(fp_error_message(), "-1") != NULL, "message: %s",
+          fp_error_message());
+    CHECK(fp_copier_create(NULL, 1) == FP_EINVAL, "NULL out accepted");
+
+    int ncpu = fp_cpu_count();
+    CHECK(ncpu >= 1, "fp_cpu_count() = %d", ncpu);
+    int want = ncpu < FP_COPIER_MAX_DEFAULT ? ncpu : FP_COPIER_MAX_DEFAULT;
+    CHECK(fp_copier_create(&c, 0) == FP_OK, "create(0): %s",
+          fp_error_message());
+    CHECK(fp_copier_threads(c) == want, "threads=0 gave %d, want %d",
+          fp_copier_threads(c), want);
+    fp_copier_destroy(c);
+}
+
+static void test_fork(void)
+{
+    fp_copier_t *c;
+    if (fp_copier_create(&c, 3) != FP_OK) {
+        CHECK(0, "create(3): %s", fp_error_message());
+        return;
+    }
+    size_t size = 3 * CHUNK;
+    check_run(c, &size, 1, 0, 0, 99, "before fork");
+
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        unsigned char a[8] = {1, 2, 3, 4, 5, 6, 7, 8}, b[8] = {0};
+        fp_copy_t one = {b, a, sizeof a};
+        int code = 0;
+        if (fp_copier_run(c, &one, 1) != FP_EINVAL)
+            code |= 1;
+        else if (strstr(fp_error_message(), "copier belongs to process") ==
+                 NULL)
+            code |= 2;
+        if (b[0] != 0)
+            code |= 4;
+        fp_copier_destroy(c); /* must neither hang nor crash */
+#ifndef __SANITIZE_THREAD__ /* tsan refuses new threads after fork */
+        fp_copier_t *fresh;
+        if (fp_copier_create(&fresh, 2) != FP_OK)
+            code |= 8;
+        else {
+            size_t big = 2 * CHUNK;
+            check_run(fresh, &big, 1, 1, 1, 7, "fresh copier in child");
+            if (fp_atomic_load_acquire(&failures))
+                code |= 16;
+            fp_copier_destroy(fresh);
+        }
+#endif
+        if (code)
+            fprintf(stderr, "child: %s\n", fp_error_message());
+        _exit(code);
+    }
+    CHECK(pid > 0, "fork failed");
+    int status = 0;
+    waitpid(pid, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+          "child failed: status %#x", status);
+    check_run(c, &size, 1, 0, 0, 100, "after fork, parent");
+    fp_copier_destroy(c);
+}
+
+/* Informational: one 64 MiB copy at several pool sizes. */
+static void report_speed(void)
+{
+    size_t size = (size_t)64 << 20;
+    unsigned char *src = xmalloc(size), *dst = xmalloc(size);
+    fill(src, size, 1);
+    fill(dst, size, 2); /* fault every page in before timing */
+    const int counts[] = {1, 2, 0};
+    for (size_t k = 0; k < sizeof counts / sizeof *counts; k++) {
+        fp_copier_t *c;
+        if (fp_copier_create(&c, counts[k]) != FP_OK)
+            continue;
+        fp_copy_t one = {dst, src, size};
+        double best = 1e9;
+        for (int r = 0; r < 5; r++) {
+            double t0 = now();
+            fp_copier_run(c, &one, 1);
+            double t = now() - t0;
+            if (t < best)
+                best = t;
+        }
+        printf("  64 MiB copy, threads=%d (%d): %.2f ms, %.1f GB/s\n",
+               counts[k], fp_copier_threads(c), best * 1e3,
+               (double)size / best / 1e9);
+        fp_copier_destroy(c);
+    }
+    free(src);
+    free(dst);
+}
+
+int main(void)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    double t0 = now();
+    printf("test_copier: %d CPUs\n", fp_cpu_count());
+
+    test_threads_arg();
+
+    const int counts[] = {1, 2, 5, 0};
+    for (size_t k = 0; k < sizeof counts / sizeof *counts; k++) {
+        fp_copier_t *c;
+        int rc = fp_copier_create(&c, counts[k]);
+        CHECK(rc == FP_OK, "create(%d): %s", counts[k], fp_error_message());
+        if (rc != FP_OK)
+            continue;
+        test_sizes(c, 1000 * k + 1);
+        test_many(c, 1000 * k + 500);
+        test_bad_input(c);
+        fp_copier_destroy(c);
+        printf("  sizes, many entries, bad input: threads=%d done (%.1f s)\n",
+               counts[k], now() - t0);
+    }
+
+    test_concurrent(4, 8, 300 / SLOW);
+    test_concurrent(1, 8, 50 / SLOW);
+    test_concurrent(0, 8, 100 / SLOW);
+    printf("  8 concurrent callers done (%.1f s)\n", now() - t0);
+
+    test_create_destroy(1000 / SLOW);
+    printf("  create/destroy loop done (%.1f s)\n", now() - t0);
+
+    test_fork();
+    printf("  fork done (%.1f s)\n", now() - t0);
+
+    if (SLOW == 1)
+        report_speed();
+
+    if (fp_atomic_load_acquire(&failures)) {
+        printf("test_copier: %d FAILED\n", failures);
+        return 1;
+    }
+    printf("test_copier: ok\n");
+    return 0;
+}
