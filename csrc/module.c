@@ -1,0 +1,828 @@
+/* fastpin._C: the CPython bindings of the core.
+ *
+ * Types: Arena (an fp_arena_t) and Block (an fp_lease_t: one allocated
+ * block, exported to torch through DLPack and to NumPy through its C API).
+ * Every call that may wait (arena lock, event, memcpy) runs with the GIL
+ * released; the core never touches Python and reports through an int status
+ * that fp_raise() turns into an exception. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
+#include <unistd.h>
+
+#include "dlpack.h"
+#include "fastpin.h"
+
+typedef struct {
+    PyTypeObject *ArenaType;  /* fastpin._C.Arena */
+    PyTypeObject *BlockType;  /* fastpin._C.Block */
+    PyObject *Error;          /* fastpin.FastpinError (RuntimeError) */
+    PyObject *CudaError;      /* driver failures */
+    PyObject *ArenaFullError; /* no room, or larger than the cap (MemoryError) */
+    fp_copier_t *copier;      /* made on first use; under the GIL */
+    pid_t copier_pid;         /* process that made it: a forked child makes its own */
+    int threads;              /* wanted pool size, 0 = default; under the GIL */
+    int resize;               /* threads changed since the pool was made */
+    int busy;                 /* runs using the pool with the GIL released */
+} fp_state;
+
+typedef struct {
+    PyObject_HEAD
+    fp_arena_t *arena; /* one reference */
+} ArenaObject;
+
+typedef struct {
+    PyObject_HEAD
+    fp_lease_t *lease; /* one reference; exports hold their own */
+} BlockObject;
+
+static struct PyModuleDef fp_module;
+
+static fp_state *fp_state_of_type(PyTypeObject *type)
+{
+    return PyType_GetModuleState(type);
+}
+
+/* Raises the exception for a core status and returns NULL. */
+static PyObject *fp_raise(fp_state *st, int status)
+{
+    const char *msg = fp_error_message();
+    switch (status) {
+    case FP_ENOMEM:
+    case FP_ETOOBIG:
+        PyErr_SetString(st->ArenaFullError, msg);
+        break;
+    case FP_ECUDA:
+        PyErr_SetString(st->CudaError, msg);
+        break;
+    case FP_EOS:
+        PyErr_SetString(PyExc_OSError, msg);
+        break;
+    case FP_EINVAL:
+        PyErr_SetString(PyExc_ValueError, msg);
+        break;
+    default:
+        PyErr_SetString(st->Error, msg);
+    }
+    return NULL;
+}
+
+/* The copy pool of this process, made on first use; under the GIL. */
+static fp_copier_t *fp_get_copier(fp_state *st)
+{
+    /* In a forked child the parent's pool has no threads: leave it (its
+     * mutexes may be held by threads that no longer exist) and start anew. */
+    if (st->copier && st->copier_pid != getpid()) {
+        st->copier = NULL;
+        st->busy = 0;
+    }
+    /* A new size takes effect once no run is in flight: runs hold the pool
+     * with the GIL released. Joining idle threads is quick. */
+    if (st->copier && st->resize && st->busy == 0) {
+        fp_copier_destroy(st->copier);
+        st->copier = NULL;
+    }
+    if (!st->copier) {
+        int status = fp_copier_create(&st->copier, st->threads);
+        if (status) {
+            st->copier = NULL;
+            fp_raise(st, status);
+            return NULL;
+        }
+        st->copier_pid = getpid();
+        st->resize = 0;
+    }
+    return st->copier;
+}
+
+/* ---- Block ------------------------------------------------------------- */
+
+/* Returns a new reference to a Block that steals `lease`'s reference. */
+static PyObject *Block_wrap(fp_state *st, fp_lease_t *lease)
+{
+    BlockObject *self = PyObject_New(BlockObject, st->BlockType);
+    if (!self) {
+        fp_lease_decref(lease);
+        return NULL;
+    }
+    self->lease = lease;
+    return (PyObject *)self;
+}
+
+static void Block_dealloc(BlockObject *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    fp_lease_decref(self->lease);
+    PyObject_Free(self);
+    Py_DECREF(type);
+}
+
+/* Reads a sequence of ints into `out`; returns its length or -1. */
+static int fp_int64_seq(PyObject *seq, int64_t *out, const char *what)
+{
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n > FP_DLPACK_MAX_NDIM) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "%s: %zd dimensions (at most %d)", what, n,
+                     FP_DLPACK_MAX_NDIM);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (out[i] == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+    }
+    Py_DECREF(fast);
+    return (int)n;
+}
+
+/* Checks that `ndim` dims of `shape` x `strides` (in units of `unit` bytes)
+ * at `offset`, `itemsize` bytes an element, lie inside the block. */
+static int fp_check_extent(fp_lease_t *lease, uint64_t offset, int ndim,
+                           const int64_t *shape, const int64_t *strides,
+                           int64_t unit, int64_t itemsize)
+{
+    __int128 last = 0;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0 || strides[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "negative shape or stride");
+            return -1;
+        }
+        if (shape[i] == 0)
+            return 0;
+        last += (__int128)(shape[i] - 1) * strides[i] * unit;
+    }
+    if ((__int128)offset + last + itemsize > (__int128)lease->size) {
+        PyErr_Format(PyExc_ValueError,
+                     "view of %lld bytes at offset %llu does not fit a block of %llu bytes",
+                     (long long)(last + itemsize), (unsigned long long)offset,
+                     (unsigned long long)lease->size);
+        return -1;
+    }
+    return 0;
+}
+
+/* Block.dlpack(offset, shape, strides, code, bits, lanes=1, version=-1,
+ * readonly=False) -> new capsule over part of the block. */
+static PyObject *Block_dlpack(BlockObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"offset", "shape", "strides", "code", "bits", "lanes",
+                             "version", "readonly", NULL};
+    unsigned long long offset;
+    PyObject *shape_obj, *strides_obj;
+    unsigned char code, bits;
+    unsigned short lanes = 1;
+    int minor = -1, readonly = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KOObb|Hip:dlpack", kwlist, &offset,
+                                     &shape_obj, &strides_obj, &code, &bits, &lanes,
+                                     &minor, &readonly))
+        return NULL;
+    int64_t shape[FP_DLPACK_MAX_NDIM], strides[FP_DLPACK_MAX_NDIM];
+    int ndim = fp_int64_seq(shape_obj, shape, "shape");
+    if (ndim < 0)
+        return NULL;
+    int nstrides = fp_int64_seq(strides_obj, strides, "strides");
+    if (nstrides < 0)
+        return NULL;
+    if (nstrides != ndim)
+        return PyErr_Format(PyExc_ValueError, "%d strides for %d dimensions", nstrides, ndim);
+    if (minor < -1 || minor > FP_DLPACK_MINOR)
+        return PyErr_Format(PyExc_ValueError, "DLPack version 1.%d is not produced (1.0 to 1.%d, "
+                            "or -1 for a legacy capsule)", minor, FP_DLPACK_MINOR);
+    int64_t itemsize = ((int64_t)bits * lanes + 7) / 8;
+    if (fp_check_extent(self->lease, offset, ndim, shape, strides, itemsize, itemsize))
+        return NULL;
+    DLDataType dtype = {.code = code, .bits = bits, .lanes = lanes};
+    return fp_dlpack_capsule(self->lease, self->lease->ptr + offset, ndim, shape, strides,
+                             dtype, minor, readonly);
+}
+
+/* Block.numpy(offset, shape, strides, dtype) -> new ndarray over part of the
+ * block (strides in bytes, as NumPy's), whose base is this Block. */
+static PyObject *Block_numpy(BlockObject *self, PyObject *args)
+{
+    unsigned long long offset;
+    PyObject *shape_obj, *strides_obj;
+    PyArray_Descr *descr;
+    if (!PyArg_ParseTuple(args, "KOOO&:numpy", &offset, &shape_obj, &strides_obj,
+                          PyArray_DescrConverter, &descr))
+        return NULL;
+    if (PyDataType_REFCHK(descr)) {
+        /* Object references cannot live in raw block memory. */
+        PyErr_Format(PyExc_TypeError, "a block cannot hold arrays of dtype %R", descr);
+        Py_DECREF(descr);
+        return NULL;
+    }
+    int64_t shape[FP_DLPACK_MAX_NDIM], strides[FP_DLPACK_MAX_NDIM];
+    int ndim = fp_int64_seq(shape_obj, shape, "shape");
+    int nstrides = ndim < 0 ? -1 : fp_int64_seq(strides_obj, strides, "strides");
+    if (nstrides < 0 || nstrides != ndim ||
+        fp_check_extent(self->lease, offset, ndim, shape, strides, 1,
+                        (int64_t)PyDataType_ELSIZE(descr))) {
+        if (nstrides >= 0 && nstrides != ndim)
+            PyErr_Format(PyExc_ValueError, "%d strides for %d dimensions", nstrides, ndim);
+        Py_DECREF(descr);
+        return NULL;
+    }
+    npy_intp dims[FP_DLPACK_MAX_NDIM], npstrides[FP_DLPACK_MAX_NDIM];
+    for (int i = 0; i < ndim; i++) {
+        dims[i] = (npy_intp)shape[i];
+        npstrides[i] = (npy_intp)strides[i];
+    }
+    /* Steals the reference to descr. */
+    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, ndim, dims, npstrides,
+                                         self->lease->ptr + offset, NPY_ARRAY_WRITEABLE, NULL);
+    if (!arr)
+        return NULL;
+    Py_INCREF(self);
+    if (PyArray_SetBaseObject((PyArrayObject *)arr, (PyObject *)self) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return arr;
+}
+
+/* The array API's __dlpack__: the whole block as a 1-D uint8 tensor. */
+static PyObject *Block___dlpack__(BlockObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
+    PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$OOOO:__dlpack__", kwlist, &stream,
+                                     &max_version, &dl_device, &copy))
+        return NULL;
+    if (stream != Py_None && !(PyLong_Check(stream) && PyLong_AsLong(stream) == -1))
+        return PyErr_Format(PyExc_BufferError,
+                            "a host block takes no stream (got %R)", stream);
+    if (dl_device != Py_None) {
+        int type, id;
+        if (!PyArg_ParseTuple(dl_device, "ii", &type, &id))
+            return NULL;
+        if (type != kDLCPU)
+            return PyErr_Format(PyExc_BufferError,
+                                "a fastpin block lives on the host (kDLCPU), not device type %d",
+                                type);
+    }
+    if (copy == Py_True)
+        return PyErr_Format(PyExc_BufferError, "fastpin blocks are exported without copying");
+    int minor = -1;
+    if (max_version != Py_None) {
+        unsigned int major, want_minor;
+        if (!PyArg_ParseTuple(max_version, "II", &major, &want_minor))
+            return NULL;
+        if (major >= FP_DLPACK_MAJOR)
+            minor = major > FP_DLPACK_MAJOR || want_minor >= FP_DLPACK_MINOR ? FP_DLPACK_MINOR
+                                                                               : (int)want_minor;
+    }
+    int64_t shape = (int64_t)self->lease->size, stride = 1;
+    DLDataType u8 = {.code = kDLUInt, .bits = 8, .lanes = 1};
+    return fp_dlpack_capsule(self->lease, self->lease->ptr, 1, &shape, &stride, u8, minor, 0);
+}
+
+static PyObject *Block___dlpack_device__(BlockObject *self, PyObject *Py_UNUSED(ignored))
+{
+    (void)self;
+    return Py_BuildValue("(ii)", kDLCPU, 0);
+}
+
+static PyObject *Block_get_ptr(BlockObject *self, void *Py_UNUSED(c))
+{
+    return PyLong_FromVoidPtr(self->lease->ptr);
+}
+
+static PyObject *Block_get_nbytes(BlockObject *self, void *Py_UNUSED(c))
+{
+    return PyLong_FromUnsignedLongLong(self->lease->size);
+}
+
+/* The stream whose work must finish before the block is reused: an int
+ * handle (0: the legacy default stream), or None when no GPU reads it. */
+static PyObject *Block_get_consumer(BlockObject *self, void *Py_UNUSED(c))
+{
+    fp_cu_stream_t s = self->lease->consumer;
+    if (!s)
+        Py_RETURN_NONE;
+    return PyLong_FromVoidPtr(s == FP_CU_STREAM_LEGACY ? NULL : (void *)s);
+}
+
+static int Block_set_consumer(BlockObject *self, PyObject *value, void *Py_UNUSED(c))
+{
+    if (!value || value == Py_None) {
+        self->lease->consumer = NULL;
+        return 0;
+    }
+    void *s = PyLong_AsVoidPtr(value);
+    if (!s && PyErr_Occurred())
+        return -1;
+    if (!fp_arena_registered(self->lease->arena))
+        return 0; /* nothing to wait for without CUDA */
+    self->lease->consumer = s ? (fp_cu_stream_t)s : FP_CU_STREAM_LEGACY;
+    return 0;
+}
+
+static PyMethodDef Block_methods[] = {
+    {"dlpack", (PyCFunction)(void (*)(void))Block_dlpack, METH_VARARGS | METH_KEYWORDS,
+     "dlpack(offset, shape, strides, code, bits, lanes=1, version=-1, readonly=False)\n"
+     "A DLPack capsule over part of the block (strides in elements)."},
+    {"numpy", (PyCFunction)Block_numpy, METH_VARARGS,
+     "numpy(offset, shape, strides, dtype)\nAn ndarray over part of the block "
+     "(strides in bytes)."},
+    {"__dlpack__", (PyCFunction)(void (*)(void))Block___dlpack__,
+     METH_VARARGS | METH_KEYWORDS, "The whole block as a 1-D uint8 DLPack capsule."},
+    {"__dlpack_device__", (PyCFunction)Block___dlpack_device__, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Block_getset[] = {
+    {"ptr", (getter)Block_get_ptr, NULL, "address of the first byte", NULL},
+    {"nbytes", (getter)Block_get_nbytes, NULL, "bytes asked for", NULL},
+    {"consumer_stream", (getter)Block_get_consumer, (setter)Block_set_consumer,
+     "stream an event is recorded on when the block is released", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Block_slots[] = {
+    {Py_tp_dealloc, Block_dealloc},
+    {Py_tp_methods, Block_methods},
+    {Py_tp_getset, Block_getset},
+    {Py_tp_doc, "One block of an Arena. Freed (after the GPU is done with it) when the\n"
+                "Block and every tensor or array made from it are gone."},
+    {0, NULL},
+};
+
+static PyType_Spec Block_spec = {
+    .name = "fastpin._C.Block",
+    .basicsize = sizeof(BlockObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = Block_slots,
+};
+
+/* ---- Arena ------------------------------------------------------------- */
+
+static PyObject *Arena_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"capacity", "shared", "device", "cuda", "max_blocks", NULL};
+    unsigned long long capacity;
+    int shared = 0, device = 0, cuda = 1;
+    unsigned int max_blocks = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "K|$pipI:Arena", kwlist, &capacity,
+                                     &shared, &device, &cuda, &max_blocks))
+        return NULL;
+    ArenaObject *self = (ArenaObject *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    int flags = (shared ? FP_ARENA_SHARED : 0) | (cuda ? 0 : FP_ARENA_NO_CUDA);
+    int status;
+    /* Registration page-locks the whole region: seconds for many GiB. */
+    Py_BEGIN_ALLOW_THREADS
+    status = fp_arena_create(&self->arena, capacity, max_blocks, flags, device);
+    Py_END_ALLOW_THREADS
+    if (status) {
+        Py_DECREF(self);
+        return fp_raise(fp_state_of_type(type), status);
+    }
+    return (PyObject *)self;
+}
+
+static void Arena_dealloc(ArenaObject *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    if (self->arena)
+        fp_arena_decref(self->arena);
+    type->tp_free(self);
+    Py_DECREF(type);
+}
+
+static PyObject *Arena_alloc(ArenaObject *self, PyObject *arg)
+{
+    fp_state *st = fp_state_of_type(Py_TYPE(self));
+    unsigned long long size = PyLong_AsUnsignedLongLong(arg);
+    if (size == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    fp_lease_t *lease;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = fp_lease_alloc(self->arena, size, &lease);
+    Py_END_ALLOW_THREADS
+    if (status)
+        return fp_raise(st, status);
+    return Block_wrap(st, lease);
+}
+
+/* Arena.pin(sources, align=GRANULE) -> (Block, offsets): one block holding
+ * every source at `align`-aligned offsets (align=1 packs them back to back, as
+ * a stacked batch), filled by the copy pool with the GIL released.
+ * A source is (address, nbytes); address 0 only reserves room. The caller
+ * keeps the sources alive for the call. */
+static PyObject *Arena_pin(ArenaObject *self, PyObject *args)
+{
+    fp_state *st = fp_state_of_type(Py_TYPE(self));
+    PyObject *arg;
+    unsigned long long align = FP_GRANULE;
+    if (!PyArg_ParseTuple(args, "O|K:pin", &arg, &align))
+        return NULL;
+    if (align == 0 || (align & (align - 1)) || align > FP_GRANULE)
+        return PyErr_Format(PyExc_ValueError,
+                            "align must be a power of two up to %u, not %llu", FP_GRANULE, align);
+    PyObject *fast = PySequence_Fast(arg, "pin() takes a sequence of (address, nbytes)");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    fp_copy_t *copies = PyMem_Calloc((size_t)n + 1, sizeof *copies);
+    uint64_t *offsets = PyMem_Calloc((size_t)n + 1, sizeof *offsets);
+    PyObject *result = NULL, *offsets_obj = NULL, *block = NULL;
+    if (!copies || !offsets) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long addr, size;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KK:pin", &addr, &size))
+            goto done;
+        offsets[i] = total;
+        copies[i].src = (const void *)(uintptr_t)addr;
+        copies[i].size = size;
+        total += (size + align - 1) & ~(uint64_t)(align - 1);
+    }
+    fp_copier_t *copier = fp_get_copier(st);
+    if (!copier)
+        goto done;
+    fp_lease_t *lease = NULL;
+    int status;
+    st->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    status = fp_lease_alloc(self->arena, total, &lease);
+    if (!status) {
+        size_t used = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (copies[i].src && copies[i].size) {
+                copies[used] = copies[i];
+                copies[used++].dst = lease->ptr + offsets[i];
+            }
+        status = fp_copier_run(copier, copies, used);
+    }
+    Py_END_ALLOW_THREADS
+    st->busy--;
+    if (status) {
+        if (lease)
+            fp_lease_decref(lease);
+        fp_raise(st, status);
+        goto done;
+    }
+    block = Block_wrap(st, lease);
+    if (!block)
+        goto done;
+    offsets_obj = PyTuple_New(n);
+    if (!offsets_obj)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PyLong_FromUnsignedLongLong(offsets[i]);
+        if (!o)
+            goto done;
+        PyTuple_SET_ITEM(offsets_obj, i, o);
+    }
+    result = PyTuple_Pack(2, block, offsets_obj);
+done:
+    Py_XDECREF(block);
+    Py_XDECREF(offsets_obj);
+    Py_DECREF(fast);
+    PyMem_Free(copies);
+    PyMem_Free(offsets);
+    return result;
+}
+
+static PyObject *Arena_stats(ArenaObject *self, PyObject *Py_UNUSED(ignored))
+{
+    fp_arena_stats_t s;
+    Py_BEGIN_ALLOW_THREADS
+    fp_arena_stats(self->arena, &s);
+    Py_END_ALLOW_THREADS
+    PyObject *classes = PyDict_New();
+    if (!classes)
+        return NULL;
+    for (uint32_t c = 0; c < FP_CLASS_COUNT; c++) {
+        if (!s.class_blocks[c])
+            continue;
+        /* Keyed by the class's block size, which users can read. */
+        uint64_t size = c < FP_SL_COUNT
+            ? (uint64_t)c * FP_GRANULE
+            : (uint64_t)(FP_SL_COUNT + c % FP_SL_COUNT) * FP_GRANULE << (c / FP_SL_COUNT - 1);
+        PyObject *k = PyLong_FromUnsignedLongLong(size);
+        PyObject *v = PyLong_FromUnsignedLong(s.class_blocks[c]);
+        int rc = k && v ? PyDict_SetItem(classes, k, v) : -1;
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+        if (rc < 0) {
+            Py_DECREF(classes);
+            return NULL;
+        }
+    }
+    return Py_BuildValue(
+        "{sKsKsKsKsKsKsKsKsIsIsIsOsN}", "capacity", s.capacity, "bytes_in_use", s.bytes_in_use,
+        "bytes_requested", s.bytes_requested, "high_water", s.high_water, "bytes_pending",
+        s.bytes_pending, "allocs", s.allocs, "failed", s.failed, "waits", s.waits,
+        "blocks_in_use", s.blocks_in_use, "blocks_pending", s.blocks_pending, "max_blocks",
+        s.max_blocks, "registered", s.registered ? Py_True : Py_False, "class_blocks", classes);
+}
+
+static PyObject *Arena_collect(ArenaObject *self, PyObject *Py_UNUSED(ignored))
+{
+    Py_BEGIN_ALLOW_THREADS
+    fp_arena_collect(self->arena);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *Arena_is_valid(ArenaObject *self, PyObject *Py_UNUSED(ignored))
+{
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = fp_arena_is_valid(self->arena);
+    Py_END_ALLOW_THREADS
+    if (!ok)
+        return PyErr_Format(PyExc_AssertionError, "%s", fp_error_message());
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Arena_get_capacity(ArenaObject *self, void *Py_UNUSED(c))
+{
+    return PyLong_FromUnsignedLongLong(fp_arena_capacity(self->arena));
+}
+
+static PyObject *Arena_get_registered(ArenaObject *self, void *Py_UNUSED(c))
+{
+    return PyBool_FromLong(fp_arena_registered(self->arena));
+}
+
+static PyObject *Arena_get_base(ArenaObject *self, void *Py_UNUSED(c))
+{
+    return PyLong_FromVoidPtr(fp_arena_base(self->arena));
+}
+
+static PyObject *Arena_get_fd(ArenaObject *self, void *Py_UNUSED(c))
+{
+    return PyLong_FromLong(fp_arena_fd(self->arena));
+}
+
+static PyMethodDef Arena_methods[] = {
+    {"alloc", (PyCFunction)Arena_alloc, METH_O, "alloc(nbytes) -> Block"},
+    {"pin", (PyCFunction)Arena_pin, METH_VARARGS,
+     "pin([(address, nbytes), ...], align=GRANULE) -> (Block, offsets)\n"
+     "Copy every source into one new block at align-aligned offsets\n"
+     "(address 0 only reserves room)."},
+    {"stats", (PyCFunction)Arena_stats, METH_NOARGS, "Counters of the arena, as a dict."},
+    {"collect", (PyCFunction)Arena_collect, METH_NOARGS,
+     "Return blocks whose GPU copies have finished to the free lists now."},
+    {"is_valid", (PyCFunction)Arena_is_valid, METH_NOARGS,
+     "Check every invariant of the allocator's metadata (for tests)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Arena_getset[] = {
+    {"capacity", (getter)Arena_get_capacity, NULL, "the cap, bytes", NULL},
+    {"registered", (getter)Arena_get_registered, NULL, "page-locked with CUDA", NULL},
+    {"base", (getter)Arena_get_base, NULL, "address of the data", NULL},
+    {"fd", (getter)Arena_get_fd, NULL, "memfd of a shared arena, else -1", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Arena_slots[] = {
+    {Py_tp_new, Arena_new},
+    {Py_tp_dealloc, Arena_dealloc},
+    {Py_tp_methods, Arena_methods},
+    {Py_tp_getset, Arena_getset},
+    {Py_tp_doc, "Arena(capacity, *, shared=False, device=0, cuda=True, max_blocks=0)\n"
+                "One region of host memory, page-locked with CUDA once when a GPU is present."},
+    {0, NULL},
+};
+
+static PyType_Spec Arena_spec = {
+    .name = "fastpin._C.Arena",
+    .basicsize = sizeof(ArenaObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = Arena_slots,
+};
+
+/* ---- module functions -------------------------------------------------- */
+
+static PyObject *fp_cuda_status(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    (void)module;
+    int state;
+    Py_BEGIN_ALLOW_THREADS
+    state = fp_cuda_load();
+    Py_END_ALLOW_THREADS
+    static const char *names[] = {"no_driver", "no_device", "ready"};
+    return Py_BuildValue("{sssssisi}", "state", names[state], "reason", fp_cuda.reason,
+                         "driver_version", fp_cuda.driver_version, "device_count",
+                         fp_cuda.device_count);
+}
+
+static PyObject *fp_set_threads(PyObject *module, PyObject *arg)
+{
+    fp_state *st = PyModule_GetState(module);
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 0 || n > 1024)
+        return PyErr_Format(PyExc_ValueError, "threads must be 0 (default) to 1024, not %ld", n);
+    st->threads = (int)n;
+    st->resize = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *fp_get_threads(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    fp_copier_t *copier = fp_get_copier(PyModule_GetState(module));
+    return copier ? PyLong_FromLong(fp_copier_threads(copier)) : NULL;
+}
+
+static PyObject *fp_cpu_count_py(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    (void)module;
+    return PyLong_FromLong(fp_cpu_count());
+}
+
+/* copy(dst, src, nbytes): memcpy between raw addresses on the copy pool, GIL
+ * released. For benchmarks and tests; the caller vouches for the addresses. */
+static PyObject *fp_copy(PyObject *module, PyObject *args)
+{
+    fp_state *st = PyModule_GetState(module);
+    unsigned long long dst, src, size;
+    if (!PyArg_ParseTuple(args, "KKK:copy", &dst, &src, &size))
+        return NULL;
+    fp_copier_t *copier = fp_get_copier(st);
+    if (!copier)
+        return NULL;
+    fp_copy_t c = {.dst = (void *)(uintptr_t)dst, .src = (const void *)(uintptr_t)src,
+                   .size = size};
+    int status;
+    st->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    status = fp_copier_run(copier, &c, 1);
+    Py_END_ALLOW_THREADS
+    st->busy--;
+    if (status)
+        return fp_raise(st, status);
+    Py_RETURN_NONE;
+}
+
+/* h2d(arena, stream, [(dst, src, nbytes, pinned), ...], chunk=8 MiB): queue
+ * host-to-device copies on a CUDA stream (a raw handle), staging pageable
+ * sources through `arena` in chunks. GIL released throughout. */
+static PyObject *fp_h2d(PyObject *module, PyObject *args)
+{
+    fp_state *st = PyModule_GetState(module);
+    PyObject *arena_obj, *items_obj;
+    unsigned long long stream, chunk = 8ull << 20;
+    if (!PyArg_ParseTuple(args, "O!KO|K:h2d", st->ArenaType, &arena_obj, &stream, &items_obj,
+                          &chunk))
+        return NULL;
+    fp_arena_t *arena = ((ArenaObject *)arena_obj)->arena;
+    PyObject *fast = PySequence_Fast(items_obj, "h2d() takes a sequence of (dst, src, nbytes, pinned)");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    fp_h2d_t *items = PyMem_Calloc((size_t)n + 1, sizeof *items);
+    PyObject *result = NULL;
+    if (!items) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long dst, src, size;
+        int pinned;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KKKp:h2d", &dst, &src, &size,
+                              &pinned))
+            goto done;
+        items[i] = (fp_h2d_t){.dst = dst, .src = (const void *)(uintptr_t)src, .size = size,
+                              .pinned = pinned};
+    }
+    fp_copier_t *copier = fp_get_copier(st);
+    if (!copier)
+        goto done;
+    int status;
+    st->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    status = fp_stage_h2d(copier, arena, fp_arena_context(arena),
+                          (fp_cu_stream_t)(uintptr_t)stream, items, (size_t)n, chunk);
+    Py_END_ALLOW_THREADS
+    st->busy--;
+    if (status) {
+        fp_raise(st, status);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_DECREF(fast);
+    PyMem_Free(items);
+    return result;
+}
+
+static PyMethodDef fp_methods[] = {
+    {"h2d", fp_h2d, METH_VARARGS,
+     "h2d(arena, stream, [(dst, src, nbytes, pinned), ...], chunk=8 MiB)\n"
+     "Queue host-to-device copies on a CUDA stream, staging pageable sources."},
+    {"cuda_status", fp_cuda_status, METH_NOARGS,
+     "The CUDA driver's state: {'state': 'ready' | 'no_device' | 'no_driver', 'reason', ...}."},
+    {"set_threads", fp_set_threads, METH_O, "Size of the copy pool (0: the default)."},
+    {"get_threads", fp_get_threads, METH_NOARGS, "Size of the copy pool."},
+    {"cpu_count", fp_cpu_count_py, METH_NOARGS, "CPUs this process may run on."},
+    {"copy", fp_copy, METH_VARARGS, "copy(dst, src, nbytes) between raw addresses."},
+    {NULL, NULL, 0, NULL},
+};
+
+/* ---- module ------------------------------------------------------------ */
+
+static int fp_exec(PyObject *module)
+{
+    if (PyArray_ImportNumPyAPI() < 0)
+        return -1;
+    fp_state *st = PyModule_GetState(module);
+    st->ArenaType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Arena_spec, NULL);
+    st->BlockType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Block_spec, NULL);
+    if (!st->ArenaType || !st->BlockType)
+        return -1;
+    if (PyModule_AddType(module, st->ArenaType) < 0 || PyModule_AddType(module, st->BlockType) < 0)
+        return -1;
+    st->Error = PyErr_NewExceptionWithDoc("fastpin.FastpinError",
+                                          "A failure inside fastpin's core.", PyExc_RuntimeError,
+                                          NULL);
+    if (!st->Error)
+        return -1;
+    st->CudaError = PyErr_NewExceptionWithDoc(
+        "fastpin.CudaError", "A CUDA driver call failed; the message is the driver's.",
+        st->Error, NULL);
+    PyObject *bases = PyTuple_Pack(2, st->Error, PyExc_MemoryError);
+    if (!st->CudaError || !bases)
+        return -1;
+    st->ArenaFullError = PyErr_NewExceptionWithDoc(
+        "fastpin.ArenaFullError",
+        "The arena has no room for a request, or the request exceeds its cap.", bases, NULL);
+    Py_DECREF(bases);
+    if (!st->ArenaFullError)
+        return -1;
+    if (PyModule_AddObjectRef(module, "FastpinError", st->Error) < 0 ||
+        PyModule_AddObjectRef(module, "CudaError", st->CudaError) < 0 ||
+        PyModule_AddObjectRef(module, "ArenaFullError", st->ArenaFullError) < 0)
+        return -1;
+    return PyModule_AddIntConstant(module, "GRANULE", FP_GRANULE);
+}
+
+static int fp_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    fp_state *st = PyModule_GetState(module);
+    Py_VISIT(st->ArenaType);
+    Py_VISIT(st->BlockType);
+    Py_VISIT(st->Error);
+    Py_VISIT(st->CudaError);
+    Py_VISIT(st->ArenaFullError);
+    return 0;
+}
+
+static int fp_clear(PyObject *module)
+{
+    fp_state *st = PyModule_GetState(module);
+    Py_CLEAR(st->ArenaType);
+    Py_CLEAR(st->BlockType);
+    Py_CLEAR(st->Error);
+    Py_CLEAR(st->CudaError);
+    Py_CLEAR(st->ArenaFullError);
+    return 0;
+}
+
+static void fp_free(void *module)
+{
+    fp_state *st = PyModule_GetState(module);
+    fp_clear(module);
+    /* The module is freed only when no Python code runs, so no run is in
+     * flight and the pool can be joined. */
+    if (st->copier && st->copier_pid == getpid() && st->busy == 0)
+        fp_copier_destroy(st->copier);
+    st->copier = NULL;
+}
+
+static PyModuleDef_Slot fp_slots[] = {
+    {Py_mod_exec, fp_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef fp_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "fastpin._C",
+    .m_doc = "fastpin's C core: the pinned arena, the copy pool, DLPack export.",
+    .m_size = sizeof(fp_state),
+    .m_methods = fp_methods,
+    .m_slots = fp_slots,
+    .m_traverse = fp_traverse,
+    .m_clear = fp_clear,
+    .m_free = fp_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&fp_module); }

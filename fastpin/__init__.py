@@ -1,0 +1,36 @@
+"""fastpin: pinned-memory batches for PyTorch at the speed of the bus.
+
+    import fastpin
+    fastpin.install()                     # DataLoader(pin_memory=True) pins through fastpin
+    batch = fastpin.pin_memory(batch)     # same structure, leaves page-locked
+"""
+from __future__ import annotations
+
+from ._C import ArenaFullError, CudaError, FastpinError
+from ._arena import CudaStatus, configure, cuda_available, cuda_status, default_arena
+from ._install import install, installed, uninstall
+from ._loader import Loader
+from ._pin import pin_memory
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArenaFullError", "CudaError", "CudaStatus", "FastpinError", "Loader", "__version__", "collate",
+    "configure", "cuda_available", "cuda_status", "default_arena", "install", "installed",
+    "pin_memory", "stats", "uninstall",
+]
+
+
+def stats() -> dict:
+    """Counters of fastpin.pin_memory / collate (batches, leaves, bytes, fallbacks)
+    and of the default arena (bytes in use, high-water, blocks per class, ...)."""
+    from ._pin import counters
+    return {**counters(), "arena": default_arena().stats()}
+
+
+def __getattr__(name):
+    # collate needs torch; import it only when asked for.
+    if name == "collate":
+        from ._collate import collate
+        return collate
+    raise AttributeError(f"module 'fastpin' has no attribute {name!r}")

@@ -1,0 +1,203 @@
+"""fastpin.pin_memory: a batch's tensor and array leaves into one arena block."""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _C
+from ._arena import cuda_available, default_arena
+from ._dtypes import torch_carrier
+from ._walk import map_leaves
+
+log = logging.getLogger("fastpin")
+
+_counters_lock = threading.Lock()
+_counters = {"batches": 0, "leaves": 0, "bytes": 0, "fallbacks": 0}
+
+
+def _count(batches: int = 0, leaves: int = 0, nbytes: int = 0, fallbacks: int = 0) -> None:
+    with _counters_lock:
+        _counters["batches"] += batches
+        _counters["leaves"] += leaves
+        _counters["bytes"] += nbytes
+        _counters["fallbacks"] += fallbacks
+
+
+def counters() -> dict:
+    with _counters_lock:
+        return dict(_counters)
+
+
+def _is_dense(sizes, strides) -> bool:
+    """True when the elements fill their span exactly once (a permutation of a
+    contiguous layout, channels_last included), so one memcpy copies them."""
+    expected = 1
+    dims = sorted((st, sz) for sz, st in zip(sizes, strides) if sz != 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+# A leaf's plan: how it gets into the block, and how it comes back out.
+_COPY, _GATHER, _KEEP, _TORCH, _CUSTOM = range(5)
+
+
+class _Leaf:
+    __slots__ = ("obj", "how", "nbytes", "source")
+
+    def __init__(self, obj, how, nbytes=0, source=0):
+        self.obj = obj          # the input leaf (a contiguous view of it for _COPY)
+        self.how = how          # one of _COPY, _GATHER, _KEEP, _TORCH, _CUSTOM
+        self.nbytes = nbytes    # bytes it takes in the block
+        self.source = source    # address memcpy reads from (_COPY only)
+
+
+def _plan_tensor(t, torch) -> _Leaf:
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"fastpin.pin_memory: a tensor on {t.device} cannot be pinned; "
+            "only CPU tensors can (as with torch.Tensor.pin_memory)")
+    if (t.layout != torch.strided or t.is_quantized or t.is_nested
+            or torch_carrier(t.dtype) is None):
+        return _Leaf(t, _TORCH)
+    if cuda_available() and t.is_pinned():
+        return _Leaf(t, _KEEP)
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    nbytes = t.numel() * t.element_size()
+    if t.is_contiguous() or _is_dense(t.shape, t.stride()):
+        return _Leaf(t, _COPY, nbytes, t.data_ptr() if nbytes else 0)
+    return _Leaf(t, _GATHER, nbytes)
+
+
+def _plan_array(a: np.ndarray) -> _Leaf:
+    if a.dtype.hasobject:
+        return _Leaf(a, _KEEP)  # references, not data: nothing to pin
+    if a.flags.c_contiguous:
+        return _Leaf(a, _COPY, a.nbytes, a.ctypes.data if a.nbytes else 0)
+    return _Leaf(a, _GATHER, a.nbytes)
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
+def _tensor_out(block, offset, leaf: _Leaf, torch):
+    t = leaf.obj
+    (code, bits, lanes), view_as = torch_carrier(t.dtype)
+    shape = tuple(t.shape)
+    strides = t.stride() if leaf.how == _COPY else _contiguous_strides(shape)
+    out = torch.from_dlpack(block.dlpack(offset, shape, strides, code, bits, lanes))
+    if view_as is not None:
+        out = out.view(view_as)
+    if leaf.how == _GATHER:
+        out.copy_(t)
+    if t.requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def _array_out(block, offset, leaf: _Leaf):
+    a = leaf.obj
+    strides = [s * a.itemsize for s in _contiguous_strides(a.shape)]
+    out = block.numpy(offset, a.shape, strides, a.dtype)
+    if leaf.how == _GATHER:
+        np.copyto(out, a)
+    return out
+
+
+def _torch_pin(t):
+    """The ordinary path: torch's own pinning (or a copy where no GPU can pin)."""
+    if not cuda_available():
+        return t.clone()
+    if t.is_quantized:
+        # torch's own pin_memory fails on these with a message about copies.
+        raise TypeError(f"fastpin.pin_memory: quantized tensors ({t.dtype}) cannot be pinned, "
+                        "by fastpin or by torch; pin t.int_repr() instead")
+    return t.pin_memory()
+
+
+def pin_memory(data: Any, device: Optional[str] = None, *,
+               arena: Optional[_C.Arena] = None, stream: Any = None) -> Any:
+    """Return `data` with every tensor and NumPy array leaf copied into page-locked
+    memory, in one block of fastpin's arena, by its copy threads with the GIL
+    released. The structure comes back as it went in (see map_leaves); torch
+    tensors stay torch tensors and arrays stay arrays; tensors already pinned come
+    back unchanged; objects with a pin_memory() method are asked to pin
+    themselves. `device` is accepted for DataLoader's signature and ignored: the
+    memory is pinned for every GPU. Non-contiguous inputs come back contiguous
+    (dense permuted layouts such as channels_last keep their strides).
+
+    The block is reused only after its tensors are gone and the GPU work queued
+    before that on the default stream has finished, so a non_blocking copy from
+    it is safe on the default stream. Copies issued on another stream: name it
+    with `stream` (a torch.cuda.Stream or a raw handle)."""
+    torch = sys.modules.get("torch")
+    tensor_type = torch.Tensor if torch is not None else ()
+
+    def is_leaf(x):
+        return (isinstance(x, (np.ndarray, tensor_type))
+                or (not isinstance(x, type) and hasattr(x, "pin_memory")))
+
+    leaves = []
+
+    def plan(x):
+        if isinstance(x, tensor_type):
+            leaves.append(_plan_tensor(x, torch))
+        elif isinstance(x, np.ndarray):
+            leaves.append(_plan_array(x))
+        else:
+            leaves.append(_Leaf(x, _CUSTOM))
+
+    map_leaves(data, is_leaf, plan)
+    pinned = [leaf for leaf in leaves if leaf.how in (_COPY, _GATHER)]
+    block, offsets = None, ()
+    if pinned:
+        arena = arena if arena is not None else default_arena()
+        try:
+            block, offsets = arena.pin([(leaf.source, leaf.nbytes) for leaf in pinned])
+            if stream is not None:
+                block.consumer_stream = getattr(stream, "cuda_stream", stream)
+        except _C.ArenaFullError as e:
+            total = sum(leaf.nbytes for leaf in pinned)
+            if total > arena.capacity:
+                raise _C.ArenaFullError(
+                    f"{e}; a batch of {total} bytes cannot be pinned in an arena of "
+                    f"{arena.capacity} bytes: raise it with fastpin.configure(capacity=...) "
+                    "or the FASTPIN_ARENA_BYTES environment variable") from None
+            log.debug("fastpin: %s; pinning this batch the ordinary way", e)
+            for leaf in pinned:
+                leaf.how = _TORCH
+            pinned = []
+            _count(fallbacks=1)
+    results = iter(offsets)
+
+    def build(x):
+        leaf = next(leaves_iter)
+        if leaf.how in (_COPY, _GATHER):
+            offset = next(results)
+            if isinstance(leaf.obj, np.ndarray):
+                return _array_out(block, offset, leaf)
+            return _tensor_out(block, offset, leaf, torch)
+        if leaf.how == _TORCH:
+            if isinstance(leaf.obj, np.ndarray):
+                return leaf.obj.copy()
+            return _torch_pin(leaf.obj)
+        if leaf.how == _CUSTOM:
+            return leaf.obj.pin_memory()
+        return leaf.obj
+
+    leaves_iter = iter(leaves)
+    out = map_leaves(data, is_leaf, build)
+    _count(batches=1, leaves=len(pinned), nbytes=sum(leaf.nbytes for leaf in pinned))
+    return out
