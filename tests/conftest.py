@@ -1,0 +1,169 @@
+"""Shared fixtures and helpers for fastpin's tests.
+
+Never test on zeros: `patterned` fills every element from a seeded generator,
+so values differ per element and per seed, and a stale or unwritten buffer
+shows. Compare with `assert_same`, which checks bytes, so NaN payloads and
+exotic dtypes (float8, float4, complex32) compare exactly.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import fastpin
+from fastpin import _C
+
+
+def pytest_configure(config):
+    # torch says so once per process when a complex32 tensor is made; the
+    # suite makes them on purpose.
+    config.addinivalue_line(
+        "filterwarnings", "ignore:ComplexHalf support is experimental:UserWarning")
+
+
+def pytest_collection_modifyitems(config, items):
+    if fastpin.cuda_available():
+        return
+    skip = pytest.mark.skip(reason=f"no usable GPU: {fastpin.cuda_status().reason}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def gpu(fn):
+    """Marks a test that needs a CUDA GPU (skipped where none is usable)."""
+    return pytest.mark.gpu(fn)
+
+
+# ---- patterned data ------------------------------------------------------
+
+def _rng(seed, *salt) -> np.random.Generator:
+    return np.random.default_rng([seed & 0xFFFFFFFF, zlib.crc32(repr(salt).encode())])
+
+
+def _pattern_bytes(nbytes: int, seed: int, salt) -> np.ndarray:
+    return _rng(seed, salt).integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def patterned(shape, dtype, seed: int = 0):
+    """A tensor (torch dtype) or array (NumPy dtype) of `shape` whose elements
+    differ per element and per seed, and never all zero. Built from random
+    bytes viewed as the dtype; bool gets a random mix of True and False, and
+    every element has a non-zero byte, so a zeroed buffer never matches."""
+    shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+    numel = int(np.prod(shape, dtype=np.int64))
+    if isinstance(dtype, torch.dtype):
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        raw = _pattern_bytes(numel * itemsize, seed, str(dtype)).reshape(numel, itemsize)
+        if dtype == torch.bool:
+            raw = raw & 1
+            if numel > 1:
+                raw[0], raw[1] = 1, 0      # both values present
+            elif numel == 1:
+                raw[0] = 1
+        else:
+            raw[:, 0] |= 1                 # every element has a non-zero byte
+        flat = torch.from_numpy(raw.reshape(-1).copy())
+        return flat.view(dtype).reshape(shape)
+    dtype = np.dtype(dtype)
+    raw = _pattern_bytes(numel * dtype.itemsize, seed, dtype.str).reshape(numel, dtype.itemsize)
+    if dtype == np.bool_:
+        raw = raw & 1
+        if numel:
+            raw[0] = 1
+    elif dtype.itemsize:
+        raw[:, 0] |= 1
+    return raw.reshape(-1).view(dtype).reshape(shape)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of a tensor's elements in logical (row-major) order."""
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if t.numel() == 0:
+        return b""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same(out, ref):
+    """`out` is a copy of `ref`: same type, dtype, shape, and the same bits."""
+    if isinstance(ref, torch.Tensor):
+        assert isinstance(out, torch.Tensor), type(out)
+        assert out.dtype == ref.dtype
+        assert out.shape == ref.shape
+        assert out.device == ref.device
+        assert tensor_bytes(out) == tensor_bytes(ref)
+    elif isinstance(ref, np.ndarray):
+        assert type(out) is np.ndarray, type(out)
+        assert out.dtype == ref.dtype
+        assert out.shape == ref.shape
+        assert out.tobytes() == ref.tobytes()
+    else:
+        raise TypeError(f"assert_same on {type(ref)}")
+
+
+def shares_memory(a, b) -> bool:
+    """True when two tensors/arrays overlap in memory."""
+    def span(x):
+        if isinstance(x, torch.Tensor):
+            start = x.data_ptr()
+            size = x.untyped_storage().nbytes()
+            return start, start + max(size, 1)
+        lo, hi = np.byte_bounds(x) if hasattr(np, "byte_bounds") else np.lib.array_utils.byte_bounds(x)
+        return lo, max(hi, lo + 1)
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def in_arena(x, arena) -> bool:
+    """True when the data of tensor/array `x` lies inside `arena`'s region."""
+    ptr = x.data_ptr() if isinstance(x, torch.Tensor) else x.ctypes.data
+    return arena.base <= ptr < arena.base + arena.capacity
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def settle():
+    """Collect garbage so dropped blocks go back to their arenas (blocks held
+    by reference cycles, or by a traceback an exception left behind)."""
+    gc.collect()
+
+
+# ---- fixtures -------------------------------------------------------------
+
+@pytest.fixture(scope="session", autouse=True)
+def _freeze_imports():
+    """Move what torch, NumPy and pytest made at import into the permanent
+    generation, so the many gc.collect() calls stay cheap."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+@pytest.fixture
+def arena():
+    """A private 16 MiB arena in ordinary memory; checked valid and empty after the test."""
+    a = _C.Arena(16 << 20, cuda=False)
+    yield a
+    assert a.is_valid()
+
+
+@pytest.fixture
+def small_arena():
+    """A private 64 KiB arena, for tests of what happens when it is full."""
+    a = _C.Arena(64 << 10, cuda=False)
+    yield a
+    assert a.is_valid()

@@ -1,0 +1,202 @@
+"""GPU behaviour: page-locked results, asynchronous copies, no reuse while a
+copy reads a block. Skipped where no GPU is present."""
+import numpy as np
+import pytest
+import torch
+
+import fastpin
+from fastpin import _C
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (fastpin.cuda_available() and torch.cuda.is_available()),
+                       reason="needs a CUDA GPU"),
+]
+
+MB = 1 << 20
+
+
+def patterned(nbytes, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+_cycles_per_ms = None
+
+
+def sleep_cycles(ms):
+    """Cycles of torch.cuda._sleep that take about `ms` on this GPU (measured once)."""
+    global _cycles_per_ms
+    if _cycles_per_ms is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(50_000_000)
+        end.record()
+        end.synchronize()
+        _cycles_per_ms = 50_000_000 / start.elapsed_time(end)
+    return int(_cycles_per_ms * ms)
+
+
+def test_results_are_page_locked():
+    batch = {"x": patterned(3 * MB, 1).view(3, MB), "a": np.arange(1000, dtype=np.float32) + 1}
+    pinned = fastpin.pin_memory(batch)
+    assert fastpin.default_arena().registered
+    assert pinned["x"].is_pinned()
+    assert torch.from_numpy(pinned["a"]).is_pinned()
+    assert torch.equal(pinned["x"], batch["x"])
+
+
+def test_non_blocking_copy_is_asynchronous_and_correct():
+    src = patterned(64 * MB, 2)
+    pinned = fastpin.pin_memory(src)
+    stream = torch.cuda.current_stream()
+    torch.cuda._sleep(sleep_cycles(300))
+    on_gpu = pinned.to("cuda", non_blocking=True)
+    # Had the copy been synchronous, the sleep before it would be over too.
+    assert not stream.query(), "the copy waited for the GPU: it was not asynchronous"
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu.cpu(), src)
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["roomy-arena", "one-batch-arena"])
+def test_block_not_reused_while_a_copy_reads_it(tight):
+    """Queue a long kernel, then the copy, drop the pinned tensor, pin a new
+    batch with another pattern at once: the GPU must get the first pattern.
+    In a one-batch arena the second pin must wait for the copy's event."""
+    nbytes = 32 * MB
+    arena = _C.Arena(nbytes if tight else 8 * nbytes)
+    first, second = patterned(nbytes, 3), patterned(nbytes, 4)
+    assert not torch.equal(first, second)
+    for _ in range(5):
+        pinned = fastpin.pin_memory(first, arena=arena)
+        torch.cuda._sleep(sleep_cycles(100))
+        on_gpu = pinned.to("cuda", non_blocking=True)
+        del pinned
+        again = fastpin.pin_memory(second, arena=arena)
+        torch.cuda.synchronize()
+        assert torch.equal(on_gpu.cpu(), first), "a block was reused while a copy read it"
+        assert torch.equal(again, second)
+        del again, on_gpu
+    stats = arena.stats()
+    if tight:
+        assert stats["waits"] >= 1
+    assert stats["blocks_in_use"] == 0
+
+
+def test_side_stream_consumer():
+    """Copies on a stream of the user's own are waited for when named."""
+    nbytes = 16 * MB
+    arena = _C.Arena(nbytes)
+    side = torch.cuda.Stream()
+    first, second = patterned(nbytes, 5), patterned(nbytes, 6)
+    with torch.cuda.stream(side):
+        pinned = fastpin.pin_memory(first, arena=arena, stream=side)
+        torch.cuda._sleep(sleep_cycles(100))
+        on_gpu = pinned.to("cuda", non_blocking=True)
+    del pinned
+    fastpin.pin_memory(second, arena=arena)
+    side.synchronize()
+    assert torch.equal(on_gpu.cpu(), first)
+
+
+def test_many_batches_patterns_exact():
+    tensors = []
+    for i in range(200):
+        src = {"img": patterned(MB + 4096 * i, 100 + i), "label": torch.arange(i + 1)}
+        p = fastpin.pin_memory(src)
+        tensors.append((src, p["img"].to("cuda", non_blocking=True),
+                        p["label"].to("cuda", non_blocking=True)))
+        del p
+    torch.cuda.synchronize()
+    for src, img, label in tensors:
+        assert torch.equal(img.cpu(), src["img"])
+        assert torch.equal(label.cpu(), src["label"])
+
+
+# ---- fastpin.Loader on the GPU ---------------------------------------------
+
+def _batches(n, seed0, big=False):
+    """Patterned nested batches; `big` adds a leaf larger than one staging chunk."""
+    out = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(seed0 + i)
+        b = {
+            "img": torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=g),
+            "f": (torch.randn(7, 5, generator=g).double(), torch.randn(3, generator=g).half()),
+            "small": [torch.tensor([seed0 + i, j]) for j in range(20)],
+            "label": seed0 + i,
+        }
+        if big:
+            b["huge"] = torch.randint(-2**31, 2**31 - 1, (20 << 20,), dtype=torch.int32, generator=g)
+        out.append(b)
+    return out
+
+
+def _equal_nested(gpu, cpu):
+    if isinstance(cpu, torch.Tensor):
+        assert gpu.is_cuda and gpu.dtype == cpu.dtype and torch.equal(gpu.cpu(), cpu)
+    elif isinstance(cpu, dict):
+        assert gpu.keys() == cpu.keys()
+        for k in cpu:
+            _equal_nested(gpu[k], cpu[k])
+    elif isinstance(cpu, (list, tuple)):
+        assert type(gpu) is type(cpu) and len(gpu) == len(cpu)
+        for a, b in zip(gpu, cpu):
+            _equal_nested(a, b)
+    else:
+        assert gpu == cpu
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_loader_exact_never_stale(depth):
+    """Hundreds of batches, each freed at once while the next copies run."""
+    src = _batches(300, 1000 * depth)
+    for cpu, gpu in zip(src, fastpin.Loader(src, device="cuda", depth=depth)):
+        torch.cuda._sleep(sleep_cycles(0.2))  # the consumer is busy; copies run ahead
+        _equal_nested(gpu, cpu)
+        del gpu
+
+
+def test_loader_consumer_on_its_own_stream():
+    src = _batches(100, 7)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        results = []
+        for gpu in fastpin.Loader(src, device="cuda"):
+            torch.cuda._sleep(sleep_cycles(0.5))
+            results.append(gpu["img"].float().sum().item())
+    for cpu, total in zip(src, results):
+        assert total == cpu["img"].float().sum().item()
+
+
+def test_loader_huge_leaf_and_pinned_leaves():
+    src = _batches(6, 99, big=True)
+    pinned = [fastpin.pin_memory(b) for b in src[:3]] + [
+        {k: (v.pin_memory() if k == "img" else v) for k, v in b.items()} for b in src[3:]]
+    for cpu, gpu in zip(src, fastpin.Loader(pinned, device="cuda")):
+        _equal_nested(gpu, cpu)
+
+
+def test_loader_pinned_host_mode():
+    src = _batches(50, 5)
+    for cpu, host in zip(src, fastpin.Loader(src, device=None)):
+        assert host["img"].is_pinned()
+        torch.cuda._sleep(sleep_cycles(0.2))
+        on_gpu = host["img"].to("cuda", non_blocking=True)
+        del host
+        assert torch.equal(on_gpu.cpu(), cpu["img"])
+
+
+def test_loader_with_dataloader_workers():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (512, 3, 64, 64), dtype=torch.uint8, generator=g)
+    labels = torch.arange(512)
+    loader = fastpin.Loader(DataLoader(TensorDataset(data, labels), batch_size=32, num_workers=2))
+    for _ in range(2):
+        seen = 0
+        for x, y in loader:
+            assert x.is_cuda and torch.equal(x.cpu(), data[y.cpu()])
+            seen += len(y)
+        assert seen == 512

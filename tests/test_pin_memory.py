@@ -1,0 +1,477 @@
+"""fastpin.pin_memory: structure, values for every dtype, layouts, and what
+happens when the arena is too small or full."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import OrderedDict, defaultdict, namedtuple
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+import torch
+
+import fastpin
+from fastpin._dtypes import _TORCH
+from conftest import assert_same, in_arena, patterned, settle, shares_memory, tensor_bytes
+
+TORCH_DTYPES = [getattr(torch, name) for name in _TORCH]
+SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 4), (4, 0, 2), (1, 1, 1, 33)]
+
+
+# ---- containers used in the structure tests ------------------------------
+
+Point = namedtuple("Point", "x y")
+
+
+@dataclasses.dataclass
+class Sample:
+    image: object
+    label: object
+    meta: object
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    a: object
+    b: object
+
+
+class ReadOnlyMap(Mapping):
+    """A Mapping that is not a dict and not mutable."""
+
+    def __init__(self, items):
+        self._items = dict(items)
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
+class TaggedDict(dict):
+    """A dict subclass with extra state that copy.copy keeps."""
+    tag = None
+
+
+class SelfPinning:
+    """An object that pins itself: pin_memory() is asked exactly once."""
+
+    def __init__(self, value):
+        self.value = value
+        self.calls = 0
+
+    def pin_memory(self):
+        self.calls += 1
+        return ("pinned-by-self", self.value)
+
+
+class Opaque:
+    pass
+
+
+def walk_leaves(x):
+    """Tensor and ndarray leaves of a nested batch, in a fixed order."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        yield x
+    elif isinstance(x, (str, bytes)):
+        return
+    elif isinstance(x, Mapping):
+        for v in x.values():
+            yield from walk_leaves(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from walk_leaves(v)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for f in dataclasses.fields(x):
+            yield from walk_leaves(getattr(x, f.name))
+
+
+def make_deep_batch(seed):
+    n = itertools.count()
+
+    def t(shape, dtype=torch.float32):
+        return patterned(shape, dtype, seed * 1000 + next(n))
+
+    def a(shape, dtype=np.int32):
+        return patterned(shape, dtype, seed * 1000 + next(n))
+
+    opaque = Opaque()
+    tagged = TaggedDict(w=t((5,), torch.int64))
+    tagged.tag = "kept"
+    batch = {
+        "image": t((3, 8, 8)),
+        "array": a((4, 5)),
+        "od": OrderedDict([("z", t((2,))), ("a", [t((3,), torch.int16), "s", 3])]),
+        "dd": defaultdict(list, {"k": (t((4,), torch.uint8), a((6,), np.float64))}),
+        "ro": ReadOnlyMap({"x": t((2, 2), torch.bfloat16)}),
+        "tagged": tagged,
+        "nt": Point(t((1,)), "label"),
+        "dc": Sample(t((2, 3)), 3, {"deep": [[[(t((5,), torch.complex64),)]]]}),
+        "frozen": Frozen(a((3,), np.uint16), None),
+        "tuple": (t(()), b"bytes", 1.5, None, opaque, 7),
+        "self": SelfPinning(11),
+        "cls": SelfPinning,   # a class with a pin_memory attribute is not asked
+        "str": "hello",
+        "nested": [[t((3,))], ((t((2, 2), torch.bool),), {"k": [a((), np.float32)]})],
+    }
+    return batch, opaque
+
+
+def test_structure_of_deep_mixed_batch(arena):
+    batch, opaque = make_deep_batch(seed=1)
+    before = [x.clone() if isinstance(x, torch.Tensor) else x.copy() for x in walk_leaves(batch)]
+    out = fastpin.pin_memory(batch, arena=arena)
+
+    assert type(out) is dict and list(out) == list(batch)
+    assert type(out["od"]) is OrderedDict and list(out["od"]) == ["z", "a"]
+    assert type(out["od"]["a"]) is list and out["od"]["a"][1:] == ["s", 3]
+    assert type(out["dd"]) is defaultdict and out["dd"].default_factory is list
+    assert type(out["dd"]["k"]) is tuple
+    assert type(out["ro"]) is ReadOnlyMap and list(out["ro"]) == ["x"]
+    assert type(out["tagged"]) is TaggedDict and out["tagged"].tag == "kept"
+    assert type(out["nt"]) is Point and out["nt"].y == "label"
+    assert type(out["dc"]) is Sample and out["dc"].label == 3
+    assert type(out["dc"].meta["deep"][0][0][0]) is tuple
+    assert type(out["frozen"]) is Frozen and out["frozen"].b is None
+    assert type(out["tuple"]) is tuple and len(out["tuple"]) == 6
+    assert out["tuple"][1] is batch["tuple"][1]
+    assert out["tuple"][2] is batch["tuple"][2]
+    assert out["tuple"][3] is None
+    assert out["tuple"][4] is opaque
+    assert out["str"] is batch["str"]
+    assert out["cls"] is SelfPinning
+    assert out["self"] == ("pinned-by-self", 11)
+    assert batch["self"].calls == 1
+    assert type(out["nested"][1]) is tuple and type(out["nested"][1][0]) is tuple
+
+    outs = list(walk_leaves(out))
+    ins = list(walk_leaves(batch))
+    assert len(outs) == len(ins) == 16
+    for o, i, b in zip(outs, ins, before):
+        assert_same(o, i)
+        assert_same(i, b)                      # the input is left as it was
+        assert not shares_memory(o, i)
+        assert in_arena(o, arena)
+    assert type(outs[1]) is np.ndarray and isinstance(outs[0], torch.Tensor)
+    # Every leaf has memory of its own.
+    for x, y in itertools.combinations([o for o in outs if o.nbytes if hasattr(o, "nbytes")], 2):
+        assert not shares_memory(x, y)
+
+
+def test_structure_through_default_arena():
+    batch, _ = make_deep_batch(seed=2)
+    out = fastpin.pin_memory(batch, "cuda")  # DataLoader passes a device: ignored
+    for o, i in zip(walk_leaves(out), walk_leaves(batch)):
+        assert_same(o, i)
+        assert in_arena(o, fastpin.default_arena())
+
+
+def test_leaf_objects_pass_through_by_identity():
+    items = ["s", b"b", bytearray(b"ba"), 3, 2.5, 1 + 2j, None, True, Opaque(),
+             {1, 2}, frozenset({3}), np.float32(1.5), torch.float16]
+    out = fastpin.pin_memory(items)
+    assert type(out) is list
+    for o, i in zip(out, items):
+        assert o is i, i
+    assert fastpin.pin_memory("string") == "string"
+    assert fastpin.pin_memory(None) is None
+
+
+def test_top_level_leaves():
+    t = patterned((17,), torch.int32, 3)
+    a = patterned((3, 3), np.float64, 4)
+    assert_same(fastpin.pin_memory(t), t)
+    assert_same(fastpin.pin_memory(a), a)
+    assert type(fastpin.pin_memory((t,))) is tuple
+
+
+# ---- every dtype, every shape ---------------------------------------------
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+def test_every_torch_dtype(dtype, arena):
+    batch = [patterned(shape, dtype, seed) for seed, shape in enumerate(SHAPES)]
+    batch.append(patterned((70_000,), dtype, 99))  # large enough for the copy pool
+    out = fastpin.pin_memory(batch, arena=arena)
+    for o, i in zip(out, batch):
+        assert_same(o, i)
+        assert o.is_contiguous()
+        if i.numel():
+            assert in_arena(o, arena)
+
+
+NUMPY_DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
+                np.int64, np.uint64, np.float16, np.float32, np.float64, np.longdouble,
+                np.complex64, np.complex128, ">i4", ">f8", "S5", "U3", "M8[ns]", "m8[s]",
+                np.dtype([("a", "<i4"), ("b", "<f8", (2,)), ("c", "S3")]),
+                np.dtype([("x", "u1"), ("y", ">u2")], align=True)]
+
+
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES, ids=str)
+def test_every_numpy_dtype(dtype, arena):
+    batch = [patterned(shape, dtype, seed) for seed, shape in enumerate(SHAPES)]
+    out = fastpin.pin_memory(batch, arena=arena)
+    for o, i in zip(out, batch):
+        assert_same(o, i)
+        assert o.flags.c_contiguous and o.flags.writeable
+        if i.size:
+            assert in_arena(o, arena)
+
+
+def test_object_arrays_pass_through(arena):
+    obj = np.array([1, "x", None, Opaque()], dtype=object)
+    mixed = np.zeros(2, dtype=[("n", "i4"), ("o", object)])
+    out = fastpin.pin_memory({"obj": obj, "mixed": mixed}, arena=arena)
+    assert out["obj"] is obj
+    assert out["mixed"] is mixed
+
+
+# ---- layouts -----------------------------------------------------------------
+
+def _noncontiguous_views(dtype):
+    base = patterned((6, 8, 10), dtype, 5)
+    return {
+        "transpose": base.transpose(0, 2),
+        "permute": base.permute(1, 2, 0),
+        "step": base[::2, 1::3, ::4],
+        "narrow": base[1:5, 2:7, 3:9],
+        "offset_row": base[3],
+        "column": base[:, :, 7],
+        "expand": patterned((6, 1, 10), dtype, 6).expand(6, 8, 10),
+        "broadcast0": patterned((), dtype, 7).expand(4, 5),
+        "t": patterned((1, 9), dtype, 8).t(),
+        "diag": torch.as_strided(patterned((5, 5), dtype, 9), (5,), (6,)),
+    }
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+def test_noncontiguous_tensors(dtype, arena):
+    views = _noncontiguous_views(dtype)
+    out = fastpin.pin_memory(views, arena=arena)
+    for name, view in views.items():
+        o = out[name]
+        assert_same(o, view)
+        assert in_arena(o, arena), name
+        assert not shares_memory(o, view), name
+        # Either contiguous, or a dense permutation of the input's layout.
+        assert o.is_contiguous() or o.stride() == view.stride(), name
+
+
+def test_zero_stride_result_owns_every_element(arena):
+    src = patterned((3, 1), torch.int32, 1)
+    out = fastpin.pin_memory(src.expand(3, 4), arena=arena)
+    assert 0 not in out.stride()
+    out[0, 0] += 1                      # must not write through to [0, 1]
+    assert out[0, 1] == src[0, 0] and out[0, 0] != out[0, 1]
+
+
+@pytest.mark.parametrize("fmt,shape", [(torch.channels_last, (4, 3, 5, 6)),
+                                       (torch.channels_last_3d, (2, 3, 4, 5, 6))])
+def test_channels_last_keeps_strides(fmt, shape, arena):
+    x = patterned(shape, torch.float32, 2).contiguous(memory_format=fmt)
+    assert not x.is_contiguous()
+    out = fastpin.pin_memory(x, arena=arena)
+    assert out.stride() == x.stride()
+    assert out.is_contiguous(memory_format=fmt)
+    assert_same(out, x)
+    assert in_arena(out, arena)
+
+
+def test_conj_and_neg_bits_are_resolved(arena):
+    c = patterned((4, 6), torch.complex64, 3)
+    cases = {
+        "conj": c.conj(),
+        "neg": c.conj().imag,                     # a neg-bit view
+        "conj_t": c.conj().t(),
+        "conj_conj": c.conj().conj(),
+        "conj128": patterned((5,), torch.complex128, 4).conj(),
+        "neg_step": c.conj().imag[::2],
+    }
+    assert cases["conj"].is_conj() and cases["neg"].is_neg()
+    out = fastpin.pin_memory(cases, arena=arena)
+    for name, view in cases.items():
+        o = out[name]
+        assert not o.is_conj() and not o.is_neg(), name
+        assert tensor_bytes(o) == tensor_bytes(view.resolve_conj().resolve_neg()), name
+        assert torch.equal(o, view), name
+    # The values are the conjugate, not the raw storage.
+    assert torch.equal(out["conj"].imag, -c.imag)
+
+
+def test_numpy_layouts(arena):
+    base = patterned((6, 8, 4), np.int32, 7)
+    views = {
+        "fortran": np.asfortranarray(base),
+        "transpose": base.transpose(2, 0, 1),
+        "step": base[::2, 1::3],
+        "negative": base[::-1],
+        "negative_inner": base[:, :, ::-1],
+        "negative_step": base[::-2, ::-3, 1:],
+        "broadcast": np.broadcast_to(patterned((1, 4), np.float32, 8), (5, 4)),
+        "readonly": np.frombuffer(patterned((16,), np.uint8, 9).tobytes(), dtype=np.uint8),
+        "field": patterned((5,), np.dtype([("a", "<i4"), ("b", "<f8")]), 10)["b"],
+        "zero_d": patterned((), np.complex128, 11),
+        "empty": base[:, :0],
+    }
+    out = fastpin.pin_memory(views, arena=arena)
+    for name, view in views.items():
+        o = out[name]
+        assert_same(o, view)
+        assert o.flags.c_contiguous and o.flags.writeable, name
+        if view.size:
+            assert in_arena(o, arena), name
+            assert not np.shares_memory(o, view), name
+
+
+# ---- what DLPack cannot carry -----------------------------------------------
+
+@pytest.fixture
+def quiet_quantized():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.quantize_per_tensor", UserWarning)
+        warnings.filterwarnings("ignore", ".*quantiz.*deprecated", UserWarning)
+        yield
+
+
+def test_quantized_tensors_go_the_ordinary_way(quiet_quantized, arena):
+    f = patterned((4, 5), torch.float32, 3).clamp(-5, 5).nan_to_num(1.0)
+    q = torch.quantize_per_tensor(f, 0.05, 7, torch.quint8)
+    qc = torch.quantize_per_channel(f, torch.tensor([0.1, 0.2, 0.3, 0.4]),
+                                    torch.tensor([1, 2, 3, 4]), 0, torch.qint8)
+    plain = patterned((9,), torch.int16, 4)
+    if fastpin.cuda_available():
+        # torch cannot pin quantized tensors; fastpin says so plainly.
+        with pytest.raises(TypeError, match="quantized"):
+            fastpin.pin_memory({"q": q, "plain": plain}, arena=arena)
+        return
+    out = fastpin.pin_memory({"q": q, "qc": qc, "plain": plain}, arena=arena)
+    for name, ref in (("q", q), ("qc", qc)):
+        o = out[name]
+        assert o.is_quantized and o.dtype == ref.dtype and o.qscheme() == ref.qscheme()
+        assert torch.equal(o.int_repr(), ref.int_repr())
+        assert torch.equal(o.dequantize(), ref.dequantize())
+        assert o.data_ptr() != ref.data_ptr()
+    assert out["q"].q_scale() == q.q_scale() and out["q"].q_zero_point() == 7
+    assert_same(out["plain"], plain)
+    assert in_arena(out["plain"], arena)
+
+
+def test_sparse_tensors_go_the_ordinary_way(arena):
+    dense = patterned((6, 7), torch.float64, 5) * (patterned((6, 7), torch.bool, 6))
+    sparse = dense.to_sparse()
+    out = fastpin.pin_memory([sparse], arena=arena)[0]
+    assert out.layout == torch.sparse_coo
+    assert torch.equal(out.to_dense(), dense)
+
+
+SHELL_DTYPES = [getattr(torch, f"{kind}{bits}") for kind in ("uint", "int")
+                for bits in range(1, 8) if hasattr(torch, f"{kind}{bits}")]
+
+
+def test_sub_byte_shell_dtypes_are_copied():
+    """torch.uint1..7 / int1..7 hold one element per byte; torch has no copy
+    kernel for them, so fastpin carries their bytes as uint8 and views them back
+    (regression: they once went to a clone() fallback that raised)."""
+    failures = []
+    for i, dtype in enumerate(SHELL_DTYPES):
+        src = patterned((3, 4), torch.uint8, i).view(dtype)
+        try:
+            out = fastpin.pin_memory({"x": src})["x"]
+        except Exception as e:  # collect every dtype, report them together
+            failures.append(f"{dtype}: {type(e).__name__}: {e}")
+            continue
+        if out.dtype != dtype or not torch.equal(out.view(torch.uint8), src.view(torch.uint8)):
+            failures.append(f"{dtype}: wrong result")
+    assert not failures, "\n".join(failures)
+
+
+def test_cpu_only_error_names_the_device():
+    meta = torch.empty(3, device="meta")
+    with pytest.raises(ValueError, match="meta"):
+        fastpin.pin_memory([meta])
+
+
+# ---- independence, requires_grad ---------------------------------------------
+
+def test_results_are_independent_of_inputs(arena):
+    t = patterned((64, 33), torch.float32, 1)
+    a = patterned((50,), np.int64, 2)
+    v = patterned((20, 20), torch.int32, 3)[::2]
+    out = fastpin.pin_memory({"t": t, "a": a, "v": v}, arena=arena)
+    snap = {k: (x.clone() if isinstance(x, torch.Tensor) else x.copy()) for k, x in out.items()}
+    t.add_(1)
+    a += 3
+    v.fill_(12345)
+    for k in out:
+        assert_same(out[k], snap[k])
+    # ... and writing the result leaves the input alone.
+    t_before = t.clone()
+    out["t"].mul_(2)
+    assert_same(t, t_before)
+
+
+def test_requires_grad_is_kept(arena):
+    w = patterned((3, 4), torch.float32, 1).nan_to_num(0.5).requires_grad_()
+    out = fastpin.pin_memory([w], arena=arena)[0]
+    assert out.requires_grad
+    assert torch.equal(out.detach(), w.detach())
+
+
+# ---- a small arena --------------------------------------------------------------
+
+def test_too_big_for_arena_names_both_sizes(small_arena):
+    capacity = small_arena.capacity
+    batch = [patterned((25_600,), torch.int16, 1), patterned((12_800,), np.float32, 2)]
+    total = 25_600 * 2 + 12_800 * 4
+    assert total > capacity
+    with pytest.raises(fastpin.ArenaFullError) as info:
+        fastpin.pin_memory(batch, arena=small_arena)
+    message = str(info.value)
+    assert str(total) in message and str(capacity) in message
+    assert isinstance(info.value, MemoryError) and isinstance(info.value, fastpin.FastpinError)
+    assert small_arena.stats()["bytes_in_use"] == 0
+
+
+def test_full_arena_falls_back(small_arena):
+    hold = small_arena.alloc(48 << 10)            # leaves 16 KiB
+    batch = {"t": patterned((4096,), torch.float32, 3),      # 16 KiB + 8 KiB > 16 KiB
+             "a": patterned((2048,), np.int32, 4),
+             "c": patterned((8, 16), torch.complex64, 5).conj(),
+             "s": "kept"}
+    before = fastpin.stats()
+    failed_before = small_arena.stats()["failed"]
+    out = fastpin.pin_memory(batch, arena=small_arena)
+    after = fastpin.stats()
+    assert after["fallbacks"] == before["fallbacks"] + 1
+    assert small_arena.stats()["failed"] == failed_before + 1
+    assert_same(out["t"], batch["t"])
+    assert_same(out["a"], batch["a"])
+    assert torch.equal(out["c"], batch["c"]) and not out["c"].is_conj()
+    assert out["s"] == "kept"
+    for k in ("t", "a", "c"):
+        assert not in_arena(out[k], small_arena)
+        assert not shares_memory(out[k], batch[k])
+    # Once there is room again, batches go into the arena.
+    del hold
+    settle()
+    out = fastpin.pin_memory(batch, arena=small_arena)
+    assert fastpin.stats()["fallbacks"] == after["fallbacks"]
+    assert in_arena(out["t"], small_arena)
+    assert_same(out["t"], batch["t"])
+
+
+def test_counters_count_batches_leaves_and_bytes(arena):
+    before = fastpin.stats()
+    batch = [patterned((100,), torch.int64, 1), patterned((3,), np.uint8, 2), "x",
+             patterned((0,), torch.float32, 3)]
+    fastpin.pin_memory(batch, arena=arena)
+    after = fastpin.stats()
+    assert after["batches"] == before["batches"] + 1
+    assert after["leaves"] == before["leaves"] + 3
+    assert after["bytes"] == before["bytes"] + 803
+    assert set(after["arena"]) >= {"bytes_in_use", "high_water", "class_blocks"}
