@@ -1,0 +1,297 @@
+"""fastpin.Loader: batches arrive on the GPU, copied on a side stream while the
+previous step computes.
+
+A background thread takes batches from the wrapped iterable and, for each,
+copies every tensor leaf to the device on the Loader's copy stream (pageable
+leaves staged through arena blocks in chunks, pinned leaves directly: see
+_C.h2d) and records one event. `next()` makes the consumer's current stream
+wait on that event (no host synchronisation) and hands the batch over with its
+tensors record_stream'ed onto the consumer stream, so torch's caching
+allocator does not reuse their memory while the consumer's work reads it.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+from . import _C
+from ._arena import cuda_available, default_arena
+from ._pin import pin_memory
+from ._walk import map_leaves
+
+_STOP = object()  # end of the epoch
+_POLL = 0.1       # seconds between checks of the stop flag while blocked
+
+
+class _Failure:
+    """An exception raised while producing a batch, re-raised by next()."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class _Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.batches = 0
+        self.bytes = 0
+        self.copy_seconds = 0.0   # producer time spent in pinning / staging
+        self.wait_seconds = 0.0   # consumer time spent waiting for a batch
+        self.fallbacks = 0
+
+    def as_dict(self, arena) -> dict:
+        with self.lock:
+            d = {
+                "batches": self.batches,
+                "bytes": self.bytes,
+                "host_to_pinned_gbps": self.bytes / self.copy_seconds / 1e9 if self.copy_seconds else 0.0,
+                "consumer_wait_s": self.wait_seconds,
+                "fallbacks": self.fallbacks,
+            }
+        s = arena.stats()
+        d["pool_high_water"] = s["high_water"]
+        d["pool_capacity"] = s["capacity"]
+        return d
+
+
+class Loader:
+    """Wrap any iterable of batches (a DataLoader first of all) so that batches
+    arrive with their tensor leaves already on `device`, in the same structure.
+
+    device: "cuda", "cuda:N", an int or torch.device: batches are copied there on a
+        side stream, `depth` batches ahead. None: batches come back pinned on the
+        host (for code that does its own .to(..., non_blocking=True)). "cpu":
+        batches pass through unchanged, prefetched in the background.
+    depth: how many batches are prepared ahead of the consumer (>= 1).
+    """
+
+    def __init__(self, loader: Iterable, device: Any = "cuda", depth: int = 2, *,
+                 arena: Optional[_C.Arena] = None):
+        import torch
+
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, not {depth}")
+        self.loader = loader
+        self.depth = depth
+        self._arena = arena
+        self._stats = _Stats()
+        if device is None:
+            self.device = None
+        else:
+            self.device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+            if self.device.type == "cuda":
+                if not (cuda_available() and torch.cuda.is_available()):
+                    raise RuntimeError(
+                        f"fastpin.Loader(device={device!r}): no usable CUDA GPU here "
+                        f"({_C.cuda_status()['reason']}); use device='cpu' or device=None")
+                if self.device.index is None:
+                    self.device = torch.device("cuda", torch.cuda.current_device())
+            elif self.device.type != "cpu":
+                raise ValueError(f"fastpin.Loader supports cuda and cpu devices, not {device!r}")
+        self._active: Optional[weakref.ref] = None
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self):
+        # One epoch at a time: a new iteration ends the previous one.
+        previous = self._active() if self._active is not None else None
+        if previous is not None:
+            previous.close()
+        epoch = _Epoch(self)
+        self._active = weakref.ref(epoch)
+        return epoch
+
+    @property
+    def arena(self) -> _C.Arena:
+        return self._arena if self._arena is not None else default_arena()
+
+    def stats(self) -> dict:
+        """batches, bytes, host_to_pinned_gbps (producer side), consumer_wait_s (time
+        next() waited for a batch), fallbacks, pool_high_water, pool_capacity."""
+        return self._stats.as_dict(self.arena)
+
+
+class _Producer:
+    """The background half of one epoch: takes batches from the source,
+    prepares them and queues them, `depth` ahead of the consumer. It holds no
+    reference to the consumer's iterator, so dropping that (a break) stops it."""
+
+    def __init__(self, owner: Loader):
+        import torch
+
+        self.torch = torch
+        self.device = owner.device
+        self.stats = owner._stats
+        self.arena = owner.arena
+        self.queue: queue.Queue = queue.Queue(maxsize=owner.depth)
+        self.stop = threading.Event()
+        cuda = self.device is not None and self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        # The stream that will read pinned host batches (device=None), taken in
+        # the consumer's thread: their blocks are reused only after it is done.
+        self.consumer_stream = (torch.cuda.current_stream()
+                                if self.device is None and cuda_available()
+                                and torch.cuda.is_available() else None)
+        # Sources that copies in flight may still read, with the batch's event.
+        self.in_flight: list = []
+        self.source = iter(owner.loader)
+        self.thread = threading.Thread(target=self.run, name="fastpin-loader", daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        try:
+            if self.copy_stream is not None:
+                self.torch.cuda.set_device(self.device)
+            while not self.stop.is_set():
+                try:
+                    batch = next(self.source)
+                except StopIteration:
+                    self.put(_STOP)
+                    return
+                t0 = time.perf_counter()
+                item = self.prepare(batch)
+                dt = time.perf_counter() - t0
+                with self.stats.lock:
+                    self.stats.copy_seconds += dt
+                self.put(item)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
+            self.put(_Failure(exc))
+        finally:
+            self.source = None  # a DataLoader iterator shuts its workers down
+
+    def put(self, item) -> None:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=_POLL)
+                return
+            except queue.Full:
+                continue
+
+    def prepare(self, batch):
+        if self.device is None:
+            out = pin_memory(batch, arena=self.arena, stream=self.consumer_stream)
+            self.count(out)
+            return out
+        if self.device.type == "cpu":
+            self.count(batch)
+            return batch
+        return self.to_device(batch)
+
+    def count(self, batch) -> None:
+        torch = self.torch
+        nbytes = 0
+
+        def add(x):
+            nonlocal nbytes
+            nbytes += x.numel() * x.element_size() if isinstance(x, torch.Tensor) else x.nbytes
+
+        map_leaves(batch, lambda x: isinstance(x, (torch.Tensor, np.ndarray)), add)
+        with self.stats.lock:
+            self.stats.batches += 1
+            self.stats.bytes += nbytes
+
+    def to_device(self, batch):
+        torch = self.torch
+        copies = []   # (dst address, src address, nbytes, src is pinned)
+        keep = []     # the sources those copies read
+
+        def leaf(x):
+            if isinstance(x, np.ndarray):
+                if x.dtype.hasobject:
+                    return x
+                x = torch.from_numpy(np.ascontiguousarray(x))
+            if x.device.type != "cpu":
+                return x.to(self.device, non_blocking=True)
+            if not x.is_contiguous() or x.is_conj() or x.is_neg():
+                x = x.contiguous().resolve_conj().resolve_neg()
+            # Allocated under the copy stream (the caller's `with`): the
+            # consumer's stream is added by record_stream when it is handed over.
+            dst = torch.empty(x.shape, dtype=x.dtype, device=self.device)
+            nbytes = x.numel() * x.element_size()
+            if nbytes:
+                copies.append((dst.data_ptr(), x.data_ptr(), nbytes, x.is_pinned()))
+                keep.append(x)
+            return dst
+
+        with torch.cuda.stream(self.copy_stream):
+            out = map_leaves(batch, lambda x: isinstance(x, (torch.Tensor, np.ndarray)), leaf)
+            _C.h2d(self.arena, self.copy_stream.cuda_stream, copies)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        while self.in_flight and self.in_flight[0][0].query():
+            self.in_flight.pop(0)
+        self.in_flight.append((event, keep))
+        with self.stats.lock:
+            self.stats.batches += 1
+            self.stats.bytes += sum(c[2] for c in copies)
+        return out, event
+
+    def shutdown(self) -> None:
+        """Stop the thread and drop what it prepared; safe from any thread."""
+        self.stop.set()
+        while self.thread.is_alive() and threading.current_thread() is not self.thread:
+            try:
+                self.queue.get(timeout=_POLL)  # unblock a put on a full queue
+            except queue.Empty:
+                pass
+            self.thread.join(timeout=_POLL)
+        while True:
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+        self.in_flight.clear()
+
+
+class _Epoch:
+    """The consumer's iterator over one epoch."""
+
+    def __init__(self, owner: Loader):
+        self.producer = _Producer(owner)
+        self.torch = self.producer.torch
+        self.device = owner.device
+        self.stats = owner._stats
+        self.closed = False
+        self._finalizer = weakref.finalize(self, self.producer.shutdown)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.closed:
+            raise StopIteration
+        t0 = time.perf_counter()
+        try:
+            item = self.producer.queue.get()
+        except BaseException:
+            self.close()  # Ctrl-C while waiting: leave nothing running
+            raise
+        with self.stats.lock:
+            self.stats.wait_seconds += time.perf_counter() - t0
+        if item is _STOP:
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self.close()
+            raise item.exc
+        if self.device is None or self.device.type == "cpu":
+            return item
+        out, event = item
+        torch = self.torch
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(event)
+        map_leaves(out, lambda x: isinstance(x, torch.Tensor) and x.is_cuda,
+                   lambda x: (x.record_stream(stream), x)[1])
+        return out
+
+    def close(self) -> None:
+        """Stop the producer and drop prepared batches (a break mid-epoch)."""
+        if not self.closed:
+            self.closed = True
+            self._finalizer()
