@@ -270,8 +270,11 @@ _EXIT_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("run", range(3))
 def test_interpreter_exit_with_live_blocks(run):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    # Run beside the fastpin this test imported: a source tree in the working
+    # directory would otherwise shadow an installed, built package.
+    here = os.path.dirname(os.path.dirname(fastpin.__file__))
     r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True,
-                       timeout=120, env=env)
+                       timeout=120, env=env, cwd=here)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "done"
     assert "Traceback" not in r.stderr and "Fatal" not in r.stderr, r.stderr
