@@ -30,7 +30,7 @@
 #define FP_COPIER_CHUNK ((size_t)2 << 20)
 /* Smallest chunk a run is cut into when it is too small to give every
  * thread a few 2 MiB chunks; below this a wakeup costs more than it saves. */
-#define FP_COPIER_CHUNK_MIN ((size_t)128 << 10)
+#define FP_COPIER_CHUNK_MIN ((size_t)512 << 10)
 /* Chunks per thread we aim for, so threads that wake late still find work. */
 #define FP_COPIER_CHUNKS_PER_THREAD 4
 /* Runs smaller than this are copied by the caller alone, lock-free. */

@@ -15,7 +15,7 @@
 /* copier.c's FP_COPIER_CHUNK, FP_COPIER_CHUNK_MIN and FP_COPIER_INLINE;
  * fastpin.h does not export them, so keep these in step by hand. */
 #define CHUNK ((size_t)2 << 20)
-#define CHUNK_MIN ((size_t)128 << 10)
+#define CHUNK_MIN ((size_t)512 << 10)
 #define INLINE ((size_t)256 << 10)
 #define GUARD 64 /* bytes checked untouched on each side of a destination */
 
