@@ -16,18 +16,39 @@
  * A block a GPU copy may still read is not freed at once: fp_arena_free
  * records an event on the consumer stream and pushes the block onto a
  * lock-free return stack. The allocator drains that stack into a FIFO
- * pending list and frees each block whose event has completed. */
+ * pending list and frees each block whose event has completed.
+ *
+ * Processes. The creator ("home") registers the region and owns the events.
+ * Workers attach through the memfd, allocate, fill, and detach blocks; the
+ * creator adopts them. Every descriptor names the pid that allocated it, so
+ * the blocks of a worker that died are found (fp_arena_reclaim). A block
+ * freed with an event is "armed": only home can tell when it is done, so
+ * other processes leave it pending and never wait for it.
+ *
+ * Death under the lock. The lock is robust: a process may die anywhere in a
+ * critical section. Updates are ordered so that after any prefix of their
+ * stores the physical chain (block 0, then phys_next links, each block's
+ * offset) still partitions the region, and a block's state changes only
+ * after the fields it vouches for. Sizes, lists, bitmaps and counters follow
+ * from the chain and the states, and the next locker rebuilds them
+ * (fp_arena_repair). A drain of the return stack keeps a journal in the
+ * metadata, so the blocks it holds in hand are not lost. */
 #define _GNU_SOURCE
 #include <assert.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "fastpin.h"
 
-#define FP_ARENA_MAGIC 0x3130706e74736166ull /* "fastpn01" */
+#define FP_ARENA_MAGIC 0x3230706e74736166ull /* "fastpn02" */
 #define FP_MAX_CAPACITY (1ull << 43)          /* FP_FL_COUNT classes reach this */
 #define FP_DEFAULT_MAX_BLOCKS 65536u
 
@@ -50,6 +71,12 @@ typedef struct fp_block_s {
     uint32_t prev;      /* back link on the free list; under lock */
     uint32_t state;     /* FP_BLOCK_*; under lock */
     uint32_t cls;       /* class of the request, for stats; under lock */
+    int32_t owner;      /* pid that allocated it, 0 once adopted; under lock */
+    uint32_t armed;     /* 1 when an event was recorded at free: only home may
+                           retire it. Written by the freeing thread before it
+                           publishes the block, read under lock after a drain */
+    uint32_t leased;    /* atomic; 1 while a lease in the owner holds it (not
+                           adoptable), cleared by fp_lease_detach */
 } fp_block_t;
 
 typedef struct fp_arena_meta_s {
@@ -57,9 +84,16 @@ typedef struct fp_arena_meta_s {
     uint64_t capacity;    /* data bytes; constant */
     uint64_t data_offset; /* from the mapping's start to the data; constant */
     uint64_t map_size;    /* whole mapping; constant */
+    uint64_t token;       /* random, names the arena in every process; constant */
+    uint64_t fallbacks;   /* atomic; batches workers could not place here */
     uint32_t max_blocks;  /* descriptors in blocks[]; constant */
     uint32_t returned;    /* return stack head; atomic, pushed without lock */
     pthread_mutex_t lock; /* process-shared, robust; guards all below */
+    uint32_t draining;    /* journal: the rest of a chain taken off the return
+                             stack and not yet made pending, or FP_NIL */
+    uint32_t draining_one; /* journal: the block being made pending, or FP_NIL */
+    uint32_t broken;      /* repair found the chain itself damaged: every
+                             allocation fails from then on */
     uint32_t spare;       /* head of the spare descriptor list */
     uint32_t pending_head;  /* oldest pending block */
     uint32_t pending_tail;  /* newest pending block */
@@ -68,6 +102,8 @@ typedef struct fp_arena_meta_s {
     uint32_t heads[FP_CLASS_COUNT];  /* free list heads */
     uint64_t bytes_in_use, bytes_requested, high_water, bytes_pending;
     uint64_t allocs, failed, waits;
+    uint64_t lock_recoveries; /* EOWNERDEAD seen: a process died holding the lock */
+    uint64_t reclaimed;       /* blocks of dead processes freed */
     uint32_t blocks_in_use, blocks_pending;
     uint32_t class_blocks[FP_CLASS_COUNT]; /* USED or PENDING, per class */
     fp_block_t blocks[];  /* the descriptor table */
@@ -78,15 +114,41 @@ struct fp_arena_s {
     int flags;             /* FP_ARENA_*; constant */
     int fd;                /* memfd for shared arenas, else -1; constant */
     int device;            /* GPU whose context records events; constant */
-    int registered;        /* page-locked with CUDA; constant */
+    int registered;        /* the creator page-locked it with CUDA; constant */
+    int attached;          /* mapped by fp_arena_attach; constant */
+    pid_t pid;             /* process that created or attached this struct: a
+                              forked child holding a copy is not it; constant */
     fp_arena_meta_t *meta; /* start of the mapping */
     char *data;            /* start of the blocks' memory */
     fp_cu_context_t ctx;   /* retained primary context when registered */
-    fp_cu_event_t *events; /* per descriptor, made on first hand-out; an
-                              entry is touched by whoever owns the block */
-    uint8_t *armed;        /* per descriptor: 1 when an event was recorded
-                              at free; written by the freeing thread */
+    fp_cu_event_t *events; /* per descriptor, made on first hand-out in home;
+                              an entry is touched by whoever owns the block */
 };
+
+/* Crash points: where the C tests kill a process mid-update, one point at a
+ * time, to check that the next locker repairs every state it can leave. */
+#ifdef FP_TEST
+int fp_test_crash_at;
+#define FP_CRASH_POINT()                                        \
+    do {                                                        \
+        if (fp_test_crash_at && --fp_test_crash_at == 0)        \
+            raise(SIGKILL);                                     \
+    } while (0)
+#else
+#define FP_CRASH_POINT() ((void)0)
+#endif
+
+/* The creating process: the only one that knows the events of armed blocks. */
+static inline int fp_arena_home(const fp_arena_t *a)
+{
+    return !a->attached && a->pid == getpid();
+}
+
+/* CUDA may be used on this arena in this process (never in a forked copy). */
+static inline int fp_arena_cuda(const fp_arena_t *a)
+{
+    return a->registered && a->pid == getpid();
+}
 
 /* ---- size classes ------------------------------------------------------ */
 
@@ -115,13 +177,24 @@ uint32_t fp_arena_class(uint64_t size)
 
 /* ---- locking ----------------------------------------------------------- */
 
+static void fp_arena_repair(fp_arena_t *a);
+
 static void fp_arena_lock(fp_arena_t *a)
 {
-    /* A process that died holding the lock leaves EOWNERDEAD: the critical
-     * sections below never leave the lists half-linked across a store that
-     * could be interrupted by anything but death, so mark it consistent. */
-    if (pthread_mutex_lock(&a->meta->lock) == EOWNERDEAD)
+    int rc = pthread_mutex_lock(&a->meta->lock);
+    if (rc == EOWNERDEAD) {
+        /* A process died holding the lock, maybe halfway through an update:
+         * rebuild what follows from the chain and the states, then let the
+         * others in. Dying here again just leaves the next locker to repeat
+         * it: the repair is idempotent. */
+        fp_arena_repair(a);
+        a->meta->lock_recoveries++;
         pthread_mutex_consistent(&a->meta->lock);
+        rc = 0;
+    }
+    /* ENOTRECOVERABLE needs an unlock without consistent, which never happens. */
+    assert(rc == 0);
+    (void)rc;
 }
 
 static void fp_arena_unlock(fp_arena_t *a) { pthread_mutex_unlock(&a->meta->lock); }
@@ -199,56 +272,95 @@ static void fp_spare_put(fp_arena_meta_t *m, uint32_t b)
 }
 
 /* Takes a block of exactly `rounded` bytes (or the whole block when no spare
- * descriptor is left to split it); FP_NIL when nothing fits. */
-static uint32_t fp_block_take(fp_arena_meta_t *m, uint64_t rounded)
+ * descriptor is left to split it) for `owner`, who asked for `size`; FP_NIL
+ * when nothing fits. */
+static uint32_t fp_block_take(fp_arena_meta_t *m, uint64_t rounded, uint64_t size,
+                              pid_t owner)
 {
     uint32_t b = fp_list_find(m, rounded);
     if (b == FP_NIL)
         return FP_NIL;
     fp_list_remove(m, b);
+    FP_CRASH_POINT();
     fp_block_t *blk = &m->blocks[b];
     if (blk->size > rounded) {
         uint32_t s = fp_spare_take(m);
+        FP_CRASH_POINT();
         if (s != FP_NIL) {
             fp_block_t *rest = &m->blocks[s];
             rest->offset = blk->offset + rounded;
             rest->size = blk->size - rounded;
             rest->phys_prev = b;
             rest->phys_next = blk->phys_next;
+            /* rest is complete before the chain reaches it. */
+            fp_atomic_signal_fence_seq_cst();
+            FP_CRASH_POINT();
+            blk->phys_next = s;
+            fp_atomic_signal_fence_seq_cst();
+            FP_CRASH_POINT();
             if (rest->phys_next != FP_NIL)
                 m->blocks[rest->phys_next].phys_prev = s;
-            blk->phys_next = s;
+            FP_CRASH_POINT();
             blk->size = rounded;
+            FP_CRASH_POINT();
             fp_list_insert(m, s);
+            FP_CRASH_POINT();
         }
     }
+    blk->requested = size;
+    blk->cls = fp_arena_class(blk->size);
+    blk->owner = owner;
+    blk->armed = 0;
+    fp_atomic_store_release(&blk->leased, 0);
+    /* USED vouches for the fields above: a death before it leaves a free block. */
+    fp_atomic_signal_fence_seq_cst();
+    FP_CRASH_POINT();
     blk->state = FP_BLOCK_USED;
+    FP_CRASH_POINT();
     return b;
 }
 
-/* Returns a block to the free lists, merging it with free neighbours. */
-static void fp_block_release(fp_arena_meta_t *m, uint32_t b)
+/* Returns a block to the free lists, merging it with free neighbours; returns
+ * the free block that now covers it. Each merge changes the chain by a single
+ * store (a link that skips the absorbed block). */
+static uint32_t fp_block_release(fp_arena_meta_t *m, uint32_t b)
 {
     fp_block_t *blk = &m->blocks[b];
     uint32_t prev = blk->phys_prev, next = blk->phys_next;
     if (next != FP_NIL && m->blocks[next].state == FP_BLOCK_FREE) {
         fp_list_remove(m, next);
+        FP_CRASH_POINT();
         blk->size += m->blocks[next].size;
+        fp_atomic_signal_fence_seq_cst();
+        FP_CRASH_POINT();
         blk->phys_next = m->blocks[next].phys_next;
+        fp_atomic_signal_fence_seq_cst();
+        FP_CRASH_POINT();
         if (blk->phys_next != FP_NIL)
             m->blocks[blk->phys_next].phys_prev = b;
+        FP_CRASH_POINT();
         fp_spare_put(m, next);
+        FP_CRASH_POINT();
     }
     if (prev != FP_NIL && m->blocks[prev].state == FP_BLOCK_FREE) {
         fp_list_remove(m, prev);
+        FP_CRASH_POINT();
         m->blocks[prev].size += blk->size;
+        fp_atomic_signal_fence_seq_cst();
+        FP_CRASH_POINT();
         m->blocks[prev].phys_next = blk->phys_next;
+        fp_atomic_signal_fence_seq_cst();
+        FP_CRASH_POINT();
         if (blk->phys_next != FP_NIL)
             m->blocks[blk->phys_next].phys_prev = prev;
+        FP_CRASH_POINT();
         fp_spare_put(m, b);
+        FP_CRASH_POINT();
         b = prev;
     }
     fp_list_insert(m, b);
+    FP_CRASH_POINT();
+    return b;
 }
 
 /* ---- deferred free (under lock) ---------------------------------------- */
@@ -263,44 +375,68 @@ static void fp_pending_retire(fp_arena_t *a, uint32_t b)
     m->blocks_in_use--;
     m->blocks_pending--;
     m->class_blocks[blk->cls]--;
+    FP_CRASH_POINT();
     fp_block_release(m, b);
 }
 
-/* Moves everything on the return stack to the tail of the pending list. */
+/* Moves everything on the return stack to the tail of the pending list, in
+ * release order (the stack is newest first), so the list's head is the
+ * oldest event. The chain taken off the stack is journaled in the metadata
+ * before it leaves the stack, and each block is named there while it moves:
+ * a drainer that dies loses nothing (fp_arena_repair). */
 static void fp_pending_drain(fp_arena_t *a)
 {
     fp_arena_meta_t *m = a->meta;
-    if (fp_atomic_load_relaxed(&m->returned) == FP_NIL)
+    uint32_t head = fp_atomic_load_acquire(&m->returned);
+    if (head == FP_NIL)
         return;
-    uint32_t b = fp_atomic_exchange_acq_rel(&m->returned, FP_NIL);
-    /* The stack is newest first; reverse it so the pending list stays in
-     * release order and its head is the oldest event. */
-    uint32_t reversed = FP_NIL;
-    while (b != FP_NIL) {
-        uint32_t next = m->blocks[b].next;
-        m->blocks[b].next = reversed;
-        reversed = b;
-        b = next;
-    }
-    for (b = reversed; b != FP_NIL;) {
-        uint32_t next = m->blocks[b].next;
+    do {
+        m->draining = head;
+        fp_atomic_signal_fence_seq_cst();
+        FP_CRASH_POINT();
+    } while (!fp_atomic_cas_weak_acquire(&m->returned, &head, FP_NIL));
+    FP_CRASH_POINT();
+    /* Each block goes right after the old tail: the newest ends up last. */
+    uint32_t anchor = m->pending_tail;
+    while (m->draining != FP_NIL) {
+        uint32_t b = m->draining;
         fp_block_t *blk = &m->blocks[b];
+        m->draining_one = b;
+        fp_atomic_signal_fence_seq_cst();
+        FP_CRASH_POINT();
+        m->draining = blk->next;
+        fp_atomic_signal_fence_seq_cst();
+        FP_CRASH_POINT();
         blk->state = FP_BLOCK_PENDING;
-        blk->next = FP_NIL;
-        if (m->pending_tail == FP_NIL)
+        FP_CRASH_POINT();
+        if (anchor == FP_NIL) {
+            blk->next = m->pending_head;
             m->pending_head = b;
-        else
-            m->blocks[m->pending_tail].next = b;
-        m->pending_tail = b;
+        } else {
+            blk->next = m->blocks[anchor].next;
+            m->blocks[anchor].next = b;
+        }
+        FP_CRASH_POINT();
+        if (m->pending_tail == anchor)
+            m->pending_tail = b;
         m->bytes_pending += blk->size;
         m->blocks_pending++;
-        b = next;
+        fp_atomic_signal_fence_seq_cst();
+        FP_CRASH_POINT();
+        m->draining_one = FP_NIL;
     }
 }
 
-static int fp_event_done(fp_arena_t *a, uint32_t b)
+/* Whether the GPU is done with pending block `b`. Only home knows the event
+ * of an armed block; elsewhere it stays pending. */
+static int fp_event_done(fp_arena_t *a, uint32_t b, int home)
 {
-    if (!a->armed || !a->armed[b])
+    if (!a->meta->blocks[b].armed)
+        return 1;
+    if (!home)
+        return 0;
+    /* Armed without CUDA happens only through the test hook: nothing waits. */
+    if (!a->registered)
         return 1;
     /* Anything but NOT_READY (an error included) means the GPU no longer
      * reads the block: an errored context will never run the copy. */
@@ -313,21 +449,25 @@ static int fp_event_done(fp_arena_t *a, uint32_t b)
 static void fp_pending_collect(fp_arena_t *a, int all)
 {
     fp_arena_meta_t *m = a->meta;
+    if (m->broken)
+        return;
     fp_pending_drain(a);
     if (m->pending_head == FP_NIL)
         return;
-    if (a->registered)
+    int home = fp_arena_home(a), cuda = home && a->registered;
+    if (cuda)
         FP_CU_IGNORE(cuCtxPushCurrent(a->ctx));
     uint32_t prev = FP_NIL;
     for (uint32_t b = m->pending_head; b != FP_NIL;) {
         uint32_t next = m->blocks[b].next;
-        if (fp_event_done(a, b)) {
+        if (fp_event_done(a, b, home)) {
             if (prev == FP_NIL)
                 m->pending_head = next;
             else
                 m->blocks[prev].next = next;
             if (m->pending_tail == b)
                 m->pending_tail = prev;
+            FP_CRASH_POINT();
             fp_pending_retire(a, b);
         } else if (!all) {
             break;
@@ -336,25 +476,132 @@ static void fp_pending_collect(fp_arena_t *a, int all)
         }
         b = next;
     }
-    if (a->registered) {
+    if (cuda) {
         fp_cu_context_t popped;
         FP_CU_IGNORE(cuCtxPopCurrent(&popped));
     }
 }
 
-/* ---- public API -------------------------------------------------------- */
+/* ---- lock recovery (under lock) ---------------------------------------- */
+
+/* Rebuilds the metadata after a process died holding the lock. The chain
+ * from block 0 and each block's state are the truth (see the top of the
+ * file); the rest is derived again. Blocks a dead drainer held in hand were
+ * freed by their owners, so they become pending. Pushers may go on pushing
+ * meanwhile: nothing here touches `next` or `armed` of an allocated block. */
+static void fp_arena_repair(fp_arena_t *a)
+{
+    fp_arena_meta_t *m = a->meta;
+    uint32_t n = m->max_blocks;
+
+    /* A journal whose head is still on the stack was written, never taken. */
+    int taken = m->draining != FP_NIL;
+    uint32_t steps = 0;
+    for (uint32_t b = fp_atomic_load_acquire(&m->returned); taken && b < n && steps++ < n;
+         b = m->blocks[b].next)
+        if (b == m->draining)
+            taken = 0;
+    steps = 0;
+    for (uint32_t b = taken ? m->draining : FP_NIL; b < n && steps++ < n; b = m->blocks[b].next)
+        if (m->blocks[b].state == FP_BLOCK_USED)
+            m->blocks[b].state = FP_BLOCK_PENDING;
+    if (m->draining_one < n && m->blocks[m->draining_one].state == FP_BLOCK_USED)
+        m->blocks[m->draining_one].state = FP_BLOCK_PENDING;
+    FP_CRASH_POINT();
+    m->draining = m->draining_one = FP_NIL;
+
+    /* Walk the chain; `prev` marks the descriptors on it (lists are rebuilt
+     * below). Offsets must rise by granules up to the capacity. */
+    for (uint32_t b = 0; b < n; b++)
+        m->blocks[b].prev = 0;
+    uint32_t last = FP_NIL;
+    for (uint32_t b = 0; b != FP_NIL;) {
+        fp_block_t *blk = &m->blocks[b];
+        uint32_t next = blk->phys_next;
+        uint64_t end = next == FP_NIL ? m->capacity : next < n ? m->blocks[next].offset : 0;
+        if ((b == 0 && blk->offset != 0) || end <= blk->offset || end > m->capacity ||
+            end % FP_GRANULE || blk->state > FP_BLOCK_PENDING) {
+            m->broken = 1;
+            return;
+        }
+        blk->size = end - blk->offset;
+        /* The upper part of a split cut short: free space. */
+        if (blk->state == FP_BLOCK_SPARE)
+            blk->state = FP_BLOCK_FREE;
+        if (blk->state == FP_BLOCK_FREE && last != FP_NIL &&
+            m->blocks[last].state == FP_BLOCK_FREE) {
+            /* Free neighbours (a split or merge cut short): one block. */
+            m->blocks[last].phys_next = next;
+            m->blocks[last].size += blk->size;
+            FP_CRASH_POINT();
+        } else {
+            blk->prev = 1;
+            blk->phys_prev = last;
+            last = b;
+        }
+        b = next;
+    }
+
+    m->spare = FP_NIL;
+    for (uint32_t b = n; b-- > 0;)
+        if (!m->blocks[b].prev)
+            fp_spare_put(m, b);
+    FP_CRASH_POINT();
+
+    m->fl_bitmap = 0;
+    memset(m->sl_bitmap, 0, sizeof m->sl_bitmap);
+    for (uint32_t c = 0; c < FP_CLASS_COUNT; c++)
+        m->heads[c] = FP_NIL;
+    m->pending_head = m->pending_tail = FP_NIL;
+    m->bytes_in_use = m->bytes_requested = m->bytes_pending = 0;
+    m->blocks_in_use = m->blocks_pending = 0;
+    memset(m->class_blocks, 0, sizeof m->class_blocks);
+    for (uint32_t b = 0; b != FP_NIL; b = m->blocks[b].phys_next) {
+        fp_block_t *blk = &m->blocks[b];
+        FP_CRASH_POINT();
+        if (blk->state == FP_BLOCK_FREE) {
+            fp_list_insert(m, b);
+            continue;
+        }
+        if (blk->cls >= FP_CLASS_COUNT || blk->requested > blk->size) {
+            m->broken = 1;
+            return;
+        }
+        if (blk->state == FP_BLOCK_PENDING) {
+            blk->next = FP_NIL;
+            if (m->pending_tail == FP_NIL)
+                m->pending_head = b;
+            else
+                m->blocks[m->pending_tail].next = b;
+            m->pending_tail = b;
+            m->bytes_pending += blk->size;
+            m->blocks_pending++;
+        }
+        m->bytes_in_use += blk->size;
+        m->bytes_requested += blk->requested;
+        m->blocks_in_use++;
+        m->class_blocks[blk->cls]++;
+    }
+    if (m->high_water < m->bytes_in_use)
+        m->high_water = m->bytes_in_use;
+}
+
+/* ---- creation, attachment ---------------------------------------------- */
 
 static int fp_arena_map(fp_arena_t *a, uint64_t map_size)
 {
     int prot = PROT_READ | PROT_WRITE;
     void *p;
     if (a->flags & FP_ARENA_SHARED) {
-        a->fd = memfd_create("fastpin-arena", MFD_CLOEXEC);
+        a->fd = memfd_create("fastpin-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
         if (a->fd < 0)
             return fp_error_set(FP_EOS, "memfd_create: %s", strerror(errno));
         if (ftruncate(a->fd, (off_t)map_size) != 0)
             return fp_error_set(FP_EOS, "ftruncate of the shared arena to %llu bytes: %s",
                                 (unsigned long long)map_size, strerror(errno));
+        /* A worker that resized the file would make every mapping fault
+         * (SIGBUS) past the new end. Old kernels lack seals: no harm. */
+        (void)fcntl(a->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
         p = mmap(NULL, map_size, prot, MAP_SHARED, a->fd, 0);
     } else {
         p = mmap(NULL, map_size, prot, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -366,6 +613,21 @@ static int fp_arena_map(fp_arena_t *a, uint64_t map_size)
     return FP_OK;
 }
 
+/* A token no other live arena has: from the kernel, or, should it refuse,
+ * mixed from the clock, the pid and an address. */
+static uint64_t fp_arena_new_token(const void *salt)
+{
+    uint64_t t = 0;
+    if (getrandom(&t, sizeof t, GRND_NONBLOCK) != (ssize_t)sizeof t) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        t = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ ((uint64_t)getpid() << 40) ^
+            (uint64_t)(uintptr_t)salt;
+        t *= 0x9e3779b97f4a7c15ull;
+    }
+    return t ? t : 1;
+}
+
 static int fp_arena_init_meta(fp_arena_t *a, uint64_t capacity, uint32_t max_blocks,
                               uint64_t data_offset, uint64_t map_size)
 {
@@ -374,7 +636,9 @@ static int fp_arena_init_meta(fp_arena_t *a, uint64_t capacity, uint32_t max_blo
     m->data_offset = data_offset;
     m->map_size = map_size;
     m->max_blocks = max_blocks;
+    m->token = fp_arena_new_token(m);
     m->returned = FP_NIL;
+    m->draining = m->draining_one = FP_NIL;
     m->pending_head = m->pending_tail = FP_NIL;
     for (uint32_t c = 0; c < FP_CLASS_COUNT; c++)
         m->heads[c] = FP_NIL;
@@ -410,8 +674,7 @@ static int fp_arena_register(fp_arena_t *a, int device)
         return status;
     a->device = device;
     a->events = calloc(a->meta->max_blocks, sizeof *a->events);
-    a->armed = calloc(a->meta->max_blocks, 1);
-    if (!a->events || !a->armed) {
+    if (!a->events) {
         fp_cuda_context_release(device);
         return fp_error_set(FP_EOS, "out of host memory for the event table");
     }
@@ -446,6 +709,8 @@ int fp_arena_create(fp_arena_t **out, uint64_t capacity, uint32_t max_blocks,
     }
     if (max_blocks < 2)
         max_blocks = 2;
+    if (max_blocks == FP_NIL)
+        max_blocks = FP_NIL - 1; /* FP_NIL is never an index */
     uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
     uint64_t meta_size = sizeof(fp_arena_meta_t) + (uint64_t)max_blocks * sizeof(fp_block_t);
     uint64_t data_offset = (meta_size + page - 1) / page * page;
@@ -458,6 +723,7 @@ int fp_arena_create(fp_arena_t **out, uint64_t capacity, uint32_t max_blocks,
     a->flags = flags;
     a->fd = -1;
     a->device = -1;
+    a->pid = getpid();
     int status = fp_arena_map(a, map_size);
     if (status)
         goto fail;
@@ -478,7 +744,76 @@ fail:
     if (a->fd >= 0)
         close(a->fd);
     free(a->events);
-    free(a->armed);
+    free(a);
+    return status;
+}
+
+/* Checks the header of a mapping of `map_size` bytes from `fd`. */
+static int fp_arena_check_meta(const fp_arena_meta_t *m, uint64_t map_size, int fd)
+{
+    if (m->magic != FP_ARENA_MAGIC)
+        return fp_error_set(FP_EINVAL,
+                            "fd %d does not hold a fastpin arena of this version "
+                            "(magic %#llx, expected %#llx)",
+                            fd, (unsigned long long)m->magic, (unsigned long long)FP_ARENA_MAGIC);
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t meta_size = sizeof(fp_arena_meta_t) + (uint64_t)m->max_blocks * sizeof(fp_block_t);
+    if (m->map_size != map_size || m->max_blocks < 2 || m->max_blocks == FP_NIL ||
+        m->data_offset < meta_size || m->data_offset % page || m->capacity == 0 ||
+        m->capacity % FP_GRANULE || m->capacity > FP_MAX_CAPACITY ||
+        m->data_offset > map_size || m->capacity > map_size - m->data_offset)
+        return fp_error_set(FP_EINVAL,
+                            "the arena header in fd %d does not add up: capacity %llu, %u "
+                            "descriptors, data at %llu, mapping of %llu bytes, file of %llu bytes",
+                            fd, (unsigned long long)m->capacity, m->max_blocks,
+                            (unsigned long long)m->data_offset, (unsigned long long)m->map_size,
+                            (unsigned long long)map_size);
+    return FP_OK;
+}
+
+int fp_arena_attach(fp_arena_t **out, int fd)
+{
+    *out = NULL;
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+        return fp_error_set(FP_EOS, "fstat of arena fd %d: %s", fd, strerror(errno));
+    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size < sizeof(fp_arena_meta_t))
+        return fp_error_set(FP_EINVAL, "fd %d does not hold a fastpin arena (%s of %lld bytes)",
+                            fd, S_ISREG(st.st_mode) ? "a file" : "not a file",
+                            (long long)st.st_size);
+    uint64_t map_size = (uint64_t)st.st_size;
+    fp_arena_t *a = calloc(1, sizeof *a);
+    if (!a)
+        return fp_error_set(FP_EOS, "out of host memory");
+    a->refcount = 1;
+    a->flags = FP_ARENA_SHARED | FP_ARENA_NO_CUDA;
+    a->fd = -1;
+    a->device = -1;
+    a->attached = 1;
+    a->pid = getpid();
+    int status = FP_OK;
+    void *p = mmap(NULL, map_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        status = fp_error_set(FP_EOS, "mmap of the arena in fd %d (%llu bytes): %s", fd,
+                              (unsigned long long)map_size, strerror(errno));
+        goto fail;
+    }
+    a->meta = p;
+    status = fp_arena_check_meta(a->meta, map_size, fd);
+    if (status)
+        goto fail;
+    a->data = (char *)p + a->meta->data_offset;
+    /* Our own descriptor: the caller may close theirs. */
+    a->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (a->fd < 0) {
+        status = fp_error_set(FP_EOS, "dup of arena fd %d: %s", fd, strerror(errno));
+        goto fail;
+    }
+    *out = a;
+    return FP_OK;
+fail:
+    if (a->meta)
+        munmap(a->meta, map_size);
     free(a);
     return status;
 }
@@ -489,7 +824,8 @@ void fp_arena_decref(fp_arena_t *a)
 {
     if (fp_atomic_sub_acq_rel(&a->refcount, 1) != 0)
         return;
-    if (a->registered) {
+    int here = a->pid == getpid();
+    if (a->registered && here) {
         /* At interpreter exit the driver may already be torn down: every
          * call here may fail, and none of the failures matter. */
         if (fp_cuda.cuCtxPushCurrent(a->ctx) == FP_CUDA_SUCCESS) {
@@ -502,19 +838,23 @@ void fp_arena_decref(fp_arena_t *a)
         }
         fp_cuda_context_release(a->device);
     }
-    pthread_mutex_destroy(&a->meta->lock);
+    /* The lock of a shared arena outlives this mapping: another process may
+     * hold it, and glibc's destroy marks it unusable for every process. */
+    if (!(a->flags & FP_ARENA_SHARED) && here)
+        pthread_mutex_destroy(&a->meta->lock);
     munmap(a->meta, a->meta->map_size);
     if (a->fd >= 0)
         close(a->fd);
     free(a->events);
-    free(a->armed);
     free(a);
 }
 
-/* Makes sure a block about to be handed out has its event; under lock. */
-static int fp_arena_arm(fp_arena_t *a, uint32_t b)
+/* ---- allocation -------------------------------------------------------- */
+
+/* Makes sure a block about to be handed out in home has its event; under lock. */
+static int fp_arena_arm(fp_arena_t *a, uint32_t b, int home)
 {
-    if (!a->registered || a->events[b])
+    if (!home || !a->registered || a->events[b])
         return FP_OK;
     int status = FP_OK;
     FP_CU_CHECK(cuCtxPushCurrent(a->ctx));
@@ -526,6 +866,12 @@ static int fp_arena_arm(fp_arena_t *a, uint32_t b)
     fp_cu_context_t popped;
     FP_CU_IGNORE(cuCtxPopCurrent(&popped));
     return status;
+}
+
+static int fp_arena_broken_error(void)
+{
+    return fp_error_set(FP_EINVAL, "the arena's metadata was damaged by a process that died "
+                                   "holding its lock; make a new arena");
 }
 
 int fp_arena_alloc(fp_arena_t *a, uint64_t size, uint32_t *block, void **ptr)
@@ -540,13 +886,19 @@ int fp_arena_alloc(fp_arena_t *a, uint64_t size, uint32_t *block, void **ptr)
                             "asked for %llu bytes, more than the arena's cap of %llu bytes",
                             (unsigned long long)size, (unsigned long long)m->capacity);
     }
+    pid_t self = getpid();
+    int home = !a->attached && a->pid == self;
     int status = FP_OK;
     fp_arena_lock(a);
+    if (m->broken) {
+        status = fp_arena_broken_error();
+        goto done;
+    }
     fp_pending_collect(a, 0);
-    uint32_t b = fp_block_take(m, rounded);
+    uint32_t b = fp_block_take(m, rounded, size, self);
     while (b == FP_NIL) {
         fp_pending_collect(a, 1);
-        b = fp_block_take(m, rounded);
+        b = fp_block_take(m, rounded, size, self);
         if (b != FP_NIL)
             break;
         if (m->pending_head == FP_NIL) {
@@ -558,9 +910,21 @@ int fp_arena_alloc(fp_arena_t *a, uint64_t size, uint32_t *block, void **ptr)
                                   (unsigned long long)m->capacity, m->blocks_in_use);
             goto done;
         }
+        if (!home || !a->registered) {
+            /* What is left waits on GPU copies only the creator can see end. */
+            m->failed++;
+            status = fp_error_set(FP_ENOMEM,
+                                  "the arena is full for this process: asked for %llu bytes, "
+                                  "%llu of its %llu bytes are held by %u blocks, %u of them "
+                                  "waiting on GPU copies that only the creating process tracks",
+                                  (unsigned long long)size, (unsigned long long)m->bytes_in_use,
+                                  (unsigned long long)m->capacity, m->blocks_in_use,
+                                  m->blocks_pending);
+            goto done;
+        }
         /* Only blocks still read by the GPU stand in the way: wait for the
          * oldest outside the lock. Its event stays valid meanwhile: the
-         * block is reused only after someone retires it under the lock. */
+         * block is reused only after home retires it under the lock. */
         fp_cu_event_t ev = a->events[m->pending_head];
         m->waits++;
         fp_arena_unlock(a);
@@ -571,14 +935,13 @@ int fp_arena_alloc(fp_arena_t *a, uint64_t size, uint32_t *block, void **ptr)
         }
         fp_arena_lock(a);
     }
-    status = fp_arena_arm(a, b);
+    status = fp_arena_arm(a, b, home);
     if (status) {
         fp_block_release(m, b);
         goto done;
     }
     fp_block_t *blk = &m->blocks[b];
-    blk->requested = size;
-    blk->cls = fp_arena_class(blk->size);
+    FP_CRASH_POINT();
     m->bytes_in_use += blk->size;
     m->bytes_requested += size;
     if (m->bytes_in_use > m->high_water)
@@ -594,22 +957,26 @@ done:
     return status;
 }
 
-void fp_arena_free(fp_arena_t *a, uint32_t b, fp_cu_stream_t consumer)
+/* Publishes a block on the return stack; the caller owns it (USED). */
+static void fp_return_push(fp_arena_meta_t *m, uint32_t b, uint32_t armed)
 {
-    fp_arena_meta_t *m = a->meta;
-    if (a->registered) {
-        int armed = 0;
-        if (consumer && fp_cuda.cuCtxPushCurrent(a->ctx) == FP_CUDA_SUCCESS) {
-            armed = fp_cuda.cuEventRecord(a->events[b], consumer) == FP_CUDA_SUCCESS;
-            fp_cu_context_t popped;
-            FP_CU_IGNORE(cuCtxPopCurrent(&popped));
-        }
-        a->armed[b] = (uint8_t)armed;
-    }
+    m->blocks[b].armed = armed;
     uint32_t head = fp_atomic_load_relaxed(&m->returned);
     do {
         m->blocks[b].next = head;
+        FP_CRASH_POINT();
     } while (!fp_atomic_cas_weak_release(&m->returned, &head, b));
+}
+
+void fp_arena_free(fp_arena_t *a, uint32_t b, fp_cu_stream_t consumer)
+{
+    uint32_t armed = 0;
+    if (consumer && fp_arena_cuda(a) && fp_cuda.cuCtxPushCurrent(a->ctx) == FP_CUDA_SUCCESS) {
+        armed = fp_cuda.cuEventRecord(a->events[b], consumer) == FP_CUDA_SUCCESS;
+        fp_cu_context_t popped;
+        FP_CU_IGNORE(cuCtxPopCurrent(&popped));
+    }
+    fp_return_push(a->meta, b, armed);
 }
 
 void fp_arena_collect(fp_arena_t *a)
@@ -619,9 +986,88 @@ void fp_arena_collect(fp_arena_t *a)
     fp_arena_unlock(a);
 }
 
+/* ---- other processes --------------------------------------------------- */
+
+enum { FP_RECLAIM_PIDS = 128 }; /* owners judged per call; the rest wait a call */
+
+static int fp_pid_in(const pid_t *pids, uint32_t n, pid_t pid)
+{
+    for (uint32_t i = 0; i < n; i++)
+        if (pids[i] == pid)
+            return 1;
+    return 0;
+}
+
+uint32_t fp_arena_reclaim(fp_arena_t *a)
+{
+    fp_arena_meta_t *m = a->meta;
+    pid_t self = getpid(), dead[FP_RECLAIM_PIDS], alive[FP_RECLAIM_PIDS];
+    uint32_t ndead = 0, nalive = 0, freed = 0;
+    fp_arena_lock(a);
+    /* Judge the owners before draining the return stack: a process found
+     * dead made its last push before, so the drain takes every block it
+     * freed, and what it still holds afterwards nobody will free. A zombie
+     * still answers kill(): its blocks wait until it is reaped. */
+    for (uint32_t b = m->broken ? FP_NIL : 0; b != FP_NIL; b = m->blocks[b].phys_next) {
+        pid_t owner = m->blocks[b].owner;
+        if (m->blocks[b].state != FP_BLOCK_USED || owner <= 0 || owner == self ||
+            fp_pid_in(dead, ndead, owner) || fp_pid_in(alive, nalive, owner))
+            continue;
+        if (kill(owner, 0) == -1 && errno == ESRCH) {
+            if (ndead < FP_RECLAIM_PIDS)
+                dead[ndead++] = owner;
+        } else if (nalive < FP_RECLAIM_PIDS) {
+            alive[nalive++] = owner;
+        }
+    }
+    if (ndead) {
+        fp_pending_drain(a);
+        for (uint32_t b = 0; b != FP_NIL; b = m->blocks[b].phys_next) {
+            fp_block_t *blk = &m->blocks[b];
+            if (blk->state != FP_BLOCK_USED || !fp_pid_in(dead, ndead, blk->owner))
+                continue;
+            m->bytes_in_use -= blk->size;
+            m->bytes_requested -= blk->requested;
+            m->blocks_in_use--;
+            m->class_blocks[blk->cls]--;
+            FP_CRASH_POINT();
+            /* Merges never reach past the next allocated block: go on from
+             * the free block that now covers this one. */
+            b = fp_block_release(m, b);
+            freed++;
+        }
+        m->reclaimed += freed;
+    }
+    FP_ARENA_ASSERT_VALID(a);
+    fp_arena_unlock(a);
+    return freed;
+}
+
+void fp_arena_count_fallback(fp_arena_t *a) { fp_atomic_add_acq_rel(&a->meta->fallbacks, 1); }
+
+int fp_arena_owner(fp_arena_t *a, uint32_t b, pid_t *owner)
+{
+    fp_arena_meta_t *m = a->meta;
+    int status = FP_OK;
+    if (b >= m->max_blocks)
+        return fp_error_set(FP_EINVAL, "block %u is out of range (the arena has %u descriptors)",
+                            b, m->max_blocks);
+    fp_arena_lock(a);
+    uint32_t state = m->blocks[b].state;
+    if (state == FP_BLOCK_USED || state == FP_BLOCK_PENDING)
+        *owner = m->blocks[b].owner;
+    else
+        status = fp_error_set(FP_EINVAL, "block %u is not allocated", b);
+    fp_arena_unlock(a);
+    return status;
+}
+
+/* ---- queries ----------------------------------------------------------- */
+
 void fp_arena_stats(fp_arena_t *a, fp_arena_stats_t *s)
 {
     fp_arena_meta_t *m = a->meta;
+    pid_t self = getpid();
     fp_arena_lock(a);
     fp_pending_collect(a, 1);
     s->capacity = m->capacity;
@@ -632,19 +1078,30 @@ void fp_arena_stats(fp_arena_t *a, fp_arena_stats_t *s)
     s->allocs = m->allocs;
     s->failed = m->failed;
     s->waits = m->waits;
+    s->lock_recoveries = m->lock_recoveries;
+    s->reclaimed = m->reclaimed;
     s->blocks_in_use = m->blocks_in_use;
     s->blocks_pending = m->blocks_pending;
+    s->blocks_foreign = 0;
+    for (uint32_t b = m->broken ? FP_NIL : 0; b != FP_NIL; b = m->blocks[b].phys_next)
+        if (m->blocks[b].state == FP_BLOCK_USED && m->blocks[b].owner != 0 &&
+            m->blocks[b].owner != self)
+            s->blocks_foreign++;
     s->max_blocks = m->max_blocks;
     memcpy(s->class_blocks, m->class_blocks, sizeof s->class_blocks);
     fp_arena_unlock(a);
-    s->registered = a->registered;
+    s->fallbacks = fp_atomic_load_relaxed(&m->fallbacks);
+    s->registered = fp_arena_registered(a);
+    s->shared = !!(a->flags & FP_ARENA_SHARED);
 }
 
 uint64_t fp_arena_capacity(const fp_arena_t *a) { return a->meta->capacity; }
-int fp_arena_registered(const fp_arena_t *a) { return a->registered; }
+int fp_arena_registered(const fp_arena_t *a) { return fp_arena_cuda(a); }
 void *fp_arena_base(const fp_arena_t *a) { return a->data; }
-fp_cu_context_t fp_arena_context(const fp_arena_t *a) { return a->registered ? a->ctx : NULL; }
+fp_cu_context_t fp_arena_context(const fp_arena_t *a) { return fp_arena_cuda(a) ? a->ctx : NULL; }
 int fp_arena_fd(const fp_arena_t *a) { return a->fd; }
+uint64_t fp_arena_token(const fp_arena_t *a) { return a->meta->token; }
+int fp_arena_attached(const fp_arena_t *a) { return a->attached; }
 
 /* ---- invariants -------------------------------------------------------- */
 
@@ -663,6 +1120,9 @@ static int fp_arena_is_valid_locked(fp_arena_t *a)
     uint32_t nblocks = 0, nfree = 0, nused = 0, npending = 0;
     uint32_t per_class[FP_CLASS_COUNT] = {0};
     FP_CHECK(m->magic == FP_ARENA_MAGIC);
+    FP_CHECK(!m->broken);
+    /* Drains finish inside one critical section (or repair ends them). */
+    FP_CHECK(m->draining == FP_NIL && m->draining_one == FP_NIL);
     /* The address-ordered chain covers the region exactly once. */
     for (uint32_t b = 0, prev = FP_NIL; b != FP_NIL; prev = b, b = m->blocks[b].phys_next) {
         fp_block_t *blk = &m->blocks[b];
@@ -679,6 +1139,7 @@ static int fp_arena_is_valid_locked(fp_arena_t *a)
             in_use += blk->size;
             requested += blk->requested;
             FP_CHECK(blk->requested <= blk->size);
+            FP_CHECK(blk->cls < FP_CLASS_COUNT && blk->owner >= 0);
             per_class[blk->cls]++;
             if (blk->state == FP_BLOCK_PENDING) {
                 npending++;
@@ -736,26 +1197,110 @@ int fp_arena_is_valid(fp_arena_t *a)
 
 /* ---- leases ------------------------------------------------------------ */
 
-int fp_lease_alloc(fp_arena_t *a, uint64_t size, fp_lease_t **out)
+static fp_lease_t *fp_lease_new(fp_arena_t *a, uint32_t b, char *ptr, uint64_t size)
 {
     fp_lease_t *lease = malloc(sizeof *lease);
     if (!lease)
-        return fp_error_set(FP_EOS, "out of host memory");
-    void *ptr;
-    int status = fp_arena_alloc(a, size, &lease->block, &ptr);
-    if (status) {
-        free(lease);
-        return status;
-    }
+        return NULL;
     fp_arena_incref(a);
     lease->refcount = 1;
+    lease->detached = 0;
+    lease->pid = getpid();
     lease->arena = a;
+    lease->block = b;
     lease->ptr = ptr;
     lease->size = size;
     /* The legacy default stream waits for all work on blocking streams,
      * PyTorch's default stream included: a safe default consumer. */
-    lease->consumer = a->registered ? FP_CU_STREAM_LEGACY : NULL;
+    lease->consumer = fp_arena_cuda(a) ? FP_CU_STREAM_LEGACY : NULL;
+    return lease;
+}
+
+int fp_lease_alloc(fp_arena_t *a, uint64_t size, fp_lease_t **out)
+{
+    *out = NULL;
+    uint32_t b;
+    void *ptr;
+    int status = fp_arena_alloc(a, size, &b, &ptr);
+    if (status)
+        return status;
+    fp_lease_t *lease = fp_lease_new(a, b, ptr, size);
+    if (!lease) {
+        fp_arena_free(a, b, NULL);
+        return fp_error_set(FP_EOS, "out of host memory");
+    }
+    /* Nobody else knows the index yet: no lock needed to mark it held. */
+    fp_atomic_store_release(&a->meta->blocks[b].leased, 1);
     *out = lease;
+    return FP_OK;
+}
+
+int fp_lease_adopt(fp_arena_t *a, uint32_t b, uint64_t size, fp_lease_t **out)
+{
+    *out = NULL;
+    fp_arena_meta_t *m = a->meta;
+    if (!fp_arena_home(a))
+        return fp_error_set(FP_EINVAL, "blocks are adopted only by the process that created "
+                                       "the arena");
+    if (b >= m->max_blocks)
+        return fp_error_set(FP_EINVAL, "cannot adopt block %u: out of range (the arena has %u "
+                                       "descriptors)", b, m->max_blocks);
+    int status = FP_OK;
+    char *ptr = NULL;
+    fp_arena_lock(a);
+    fp_block_t *blk = &m->blocks[b];
+    /* A block its owner freed may still sit on the return stack, looking
+     * allocated: drain, so it shows as pending. */
+    if (!m->broken)
+        fp_pending_drain(a);
+    if (m->broken)
+        status = fp_arena_broken_error();
+    else if (blk->state != FP_BLOCK_USED)
+        status = fp_error_set(FP_EINVAL, "cannot adopt block %u: it is not allocated (freed, "
+                                         "reclaimed, or never handed out)", b);
+    else if (blk->owner == 0)
+        status = fp_error_set(FP_EINVAL, "cannot adopt block %u: it was already adopted", b);
+    else if (fp_atomic_load_acquire(&blk->leased))
+        status = fp_error_set(FP_EINVAL, "cannot adopt block %u: process %d still holds it "
+                                         "(not detached)", b, (int)blk->owner);
+    else if (blk->requested != size)
+        status = fp_error_set(FP_EINVAL, "cannot adopt block %u as %llu bytes: it was allocated "
+                                         "for %llu", b, (unsigned long long)size,
+                              (unsigned long long)blk->requested);
+    else
+        status = fp_arena_arm(a, b, 1);
+    if (!status) {
+        blk->owner = 0;
+        ptr = a->data + blk->offset;
+    }
+    FP_ARENA_ASSERT_VALID(a);
+    fp_arena_unlock(a);
+    if (status)
+        return status;
+    fp_lease_t *lease = fp_lease_new(a, b, ptr, size);
+    if (!lease) {
+        fp_arena_free(a, b, NULL); /* ours now, and nobody else will free it */
+        return fp_error_set(FP_EOS, "out of host memory");
+    }
+    *out = lease;
+    return FP_OK;
+}
+
+int fp_lease_detach(fp_lease_t *lease)
+{
+    fp_block_t *blk = &lease->arena->meta->blocks[lease->block];
+    if (lease->pid != getpid())
+        return fp_error_set(FP_EINVAL, "block %u belongs to the process this one was forked "
+                                       "from: only it can give the block up", lease->block);
+    /* Once given up, the block may have been adopted and reused: hands off. */
+    if (fp_atomic_load_acquire(&lease->detached))
+        return FP_OK;
+    /* The owner cannot change while we hold the block: adopt wants it detached. */
+    if (blk->owner == 0)
+        return fp_error_set(FP_EINVAL, "block %u was adopted: it stays with this process",
+                            lease->block);
+    fp_atomic_store_release(&lease->detached, 1);
+    fp_atomic_store_release(&blk->leased, 0);
     return FP_OK;
 }
 
@@ -765,7 +1310,18 @@ void fp_lease_decref(fp_lease_t *lease)
 {
     if (fp_atomic_sub_acq_rel(&lease->refcount, 1) != 0)
         return;
-    fp_arena_free(lease->arena, lease->block, lease->consumer);
+    /* A detached block is its adopter's; a lease copied into a forked child
+     * names the parent's block, which the parent frees. */
+    if (!fp_atomic_load_acquire(&lease->detached) && lease->pid == getpid())
+        fp_arena_free(lease->arena, lease->block, lease->consumer);
     fp_arena_decref(lease->arena);
     free(lease);
 }
+
+/* ---- test hooks -------------------------------------------------------- */
+
+#ifdef FP_TEST
+void fp_arena_test_lock(fp_arena_t *a) { fp_arena_lock(a); }
+
+void fp_arena_test_free_armed(fp_arena_t *a, uint32_t b) { fp_return_push(a->meta, b, 1); }
+#endif

@@ -4,7 +4,10 @@
  *                run time from libcuda.so.1 (cuda.c). No driver: the rest
  *                still works, memory is simply not page-locked.
  *   fp_arena_t   one region of host memory (private mmap or memfd), registered
- *                with CUDA once (arena.c)
+ *                with CUDA once by the process that created it (arena.c).
+ *                A shared arena is also mapped by worker processes, which
+ *                attach through its memfd, fill blocks and hand them over:
+ *                the creator adopts them. Workers never touch CUDA.
  *     -> size class   two-level segregated fit: 16 classes per power of two,
  *                     so a block wastes at most 1/17 of itself above 4 KiB
  *       -> block      a descriptor in a fixed table: offset and size in the
@@ -13,7 +16,8 @@
  *   fp_lease_t   a reference-counted hold on one allocated block; Python
  *                objects and DLPack exports each hold one. The last release
  *                records an event on the consumer stream and hands the block
- *                back through the arena's return stack (deferred free).
+ *                back through the arena's return stack (deferred free), unless
+ *                the block was detached for another process to adopt.
  *   fp_copier_t  a pool of pthreads that does large memcpy in chunks (copier.c)
  *
  * Everything here is plain C: only module.c and dlpack.c include Python.h.
@@ -27,6 +31,7 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 /* ---- status codes ------------------------------------------------------ */
 
@@ -168,6 +173,13 @@ void fp_cuda_context_release(int ordinal);
 #define fp_atomic_cas_weak_release(p, expected, desired)                  \
     __atomic_compare_exchange_n((p), (expected), (desired), 1,            \
                                 __ATOMIC_RELEASE, __ATOMIC_RELAXED)
+#define fp_atomic_cas_weak_acquire(p, expected, desired)                  \
+    __atomic_compare_exchange_n((p), (expected), (desired), 1,            \
+                                __ATOMIC_ACQUIRE, __ATOMIC_ACQUIRE)
+/* Keeps the compiler from moving stores across it, as for a signal handler:
+ * a process killed between two stores leaves the first and not the second,
+ * which is what the arena's lock recovery relies on. */
+#define fp_atomic_signal_fence_seq_cst() __atomic_signal_fence(__ATOMIC_SEQ_CST)
 
 /* ---- arena (arena.c) --------------------------------------------------- */
 
@@ -194,10 +206,16 @@ typedef struct fp_arena_stats_s {
     uint64_t allocs;          /* successful allocations */
     uint64_t failed;          /* allocations refused (no room or too big) */
     uint64_t waits;           /* allocations that waited on an event */
+    uint64_t fallbacks;       /* fp_arena_count_fallback calls, any process */
+    uint64_t lock_recoveries; /* times a process died holding the lock */
+    uint64_t reclaimed;       /* blocks freed by fp_arena_reclaim */
     uint32_t blocks_in_use;   /* handed out or pending */
     uint32_t blocks_pending;
+    uint32_t blocks_foreign;  /* allocated, owned by another live or dead
+                                 process (not adopted) */
     uint32_t max_blocks;      /* descriptor table size */
-    int registered;           /* 1 when page-locked with CUDA */
+    int registered;           /* 1 when page-locked with CUDA, in this process */
+    int shared;               /* 1 for a memfd arena */
     uint32_t class_blocks[FP_CLASS_COUNT]; /* blocks in use per size class */
 } fp_arena_stats_t;
 
@@ -208,12 +226,21 @@ typedef struct fp_arena_stats_s {
  * caller owns one reference. */
 int fp_arena_create(fp_arena_t **out, uint64_t capacity, uint32_t max_blocks,
                     int flags, int device);
+/* Maps the shared arena behind memfd `fd` (made by fp_arena_create with
+ * FP_ARENA_SHARED, in any process) at an address of this process's choosing,
+ * after checking its header. The mapping is never registered with CUDA and
+ * keeps its own duplicate of `fd`. The caller owns one reference. */
+int fp_arena_attach(fp_arena_t **out, int fd);
 void fp_arena_incref(fp_arena_t *arena);
-void fp_arena_decref(fp_arena_t *arena); /* any thread; the last one unmaps */
+/* Any thread; the last one unmaps. The creator also unregisters from CUDA; a
+ * process that attached (or inherited the struct across fork) only unmaps. */
+void fp_arena_decref(fp_arena_t *arena);
 
-/* Allocates at least `size` bytes (0 is allowed: one granule). Blocks while
- * the only room is held by blocks whose copy events have not completed;
- * returns FP_ENOMEM when live blocks fill the arena, FP_ETOOBIG when `size`
+/* Allocates at least `size` bytes (0 is allowed: one granule), owned by the
+ * calling process. In the creator, blocks while the only room is held by
+ * blocks whose copy events have not completed; any other process cannot see
+ * those events and gets FP_ENOMEM instead (a worker then falls back).
+ * Returns FP_ENOMEM when live blocks fill the arena, FP_ETOOBIG when `size`
  * exceeds the cap. Never call with the GIL held. */
 int fp_arena_alloc(fp_arena_t *arena, uint64_t size, uint32_t *block,
                    void **ptr);
@@ -224,8 +251,22 @@ int fp_arena_alloc(fp_arena_t *arena, uint64_t size, uint32_t *block,
  * stack, which the next allocation drains. */
 void fp_arena_free(fp_arena_t *arena, uint32_t block, fp_cu_stream_t consumer);
 
-/* Returns completed blocks to the free lists now (drain + event query). */
+/* Returns completed blocks to the free lists now (drain + event query). Only
+ * the creator can retire blocks freed with an event. */
 void fp_arena_collect(fp_arena_t *arena);
+
+/* Frees every allocated block (not freed by its owner) whose owner is another
+ * process that no longer exists: kill(pid, 0) fails with ESRCH, so a dead
+ * child counts only once it has been reaped. Returns how many. */
+uint32_t fp_arena_reclaim(fp_arena_t *arena);
+
+/* Counts one batch that a worker could not place in the arena; any process,
+ * lock-free. */
+void fp_arena_count_fallback(fp_arena_t *arena);
+
+/* The pid of the process that allocated `block` (0 once adopted), for an
+ * allocated or pending block; FP_EINVAL otherwise. */
+int fp_arena_owner(fp_arena_t *arena, uint32_t block, pid_t *owner);
 
 void fp_arena_stats(fp_arena_t *arena, fp_arena_stats_t *stats);
 uint64_t fp_arena_capacity(const fp_arena_t *arena);
@@ -234,6 +275,10 @@ void *fp_arena_base(const fp_arena_t *arena); /* start of the data */
 /* The primary context the arena retained (NULL when not registered). */
 fp_cu_context_t fp_arena_context(const fp_arena_t *arena);
 int fp_arena_fd(const fp_arena_t *arena);     /* memfd, or -1 if private */
+/* Random, set at creation, the same in every process that maps the arena:
+ * tells which arena a block index sent by a worker belongs to. */
+uint64_t fp_arena_token(const fp_arena_t *arena);
+int fp_arena_attached(const fp_arena_t *arena); /* made by fp_arena_attach */
 
 /* Size-class arithmetic, exposed for tests: the size a request is rounded
  * to, and the class index (0 .. FP_CLASS_COUNT-1) of a block size. */
@@ -248,6 +293,10 @@ int fp_arena_is_valid(fp_arena_t *arena);
 
 typedef struct fp_lease_s {
     int refcount;            /* atomic; the last release frees the block */
+    int detached;            /* atomic; set by fp_lease_detach: the last
+                                release leaves the block to its adopter */
+    pid_t pid;               /* process that made the lease: a copy inherited
+                                across fork never frees the parent's block */
     fp_arena_t *arena;       /* holds one arena reference */
     uint32_t block;          /* descriptor index in the arena */
     char *ptr;               /* first byte of the block */
@@ -257,8 +306,29 @@ typedef struct fp_lease_s {
 
 /* Allocates a block and wraps it; the caller owns one reference. */
 int fp_lease_alloc(fp_arena_t *arena, uint64_t size, fp_lease_t **out);
+/* In the creator: a lease over `block`, allocated (fp_arena_alloc, or a
+ * lease since detached) by any process, `size` being what it asked for. The
+ * block becomes the creator's (owner 0) and is freed, after the GPU is done
+ * with it, when the lease is released. FP_EINVAL with the reason when the
+ * block is not there to take: out of range, free or freed, already adopted,
+ * still held by a lease, or of another size. */
+int fp_lease_adopt(fp_arena_t *arena, uint32_t block, uint64_t size,
+                   fp_lease_t **out);
+/* Gives the block up for adoption: releasing the lease no longer frees it.
+ * Only in the process that allocated it, before it says where the block is. */
+int fp_lease_detach(fp_lease_t *lease);
 void fp_lease_incref(fp_lease_t *lease);
 void fp_lease_decref(fp_lease_t *lease); /* any thread, any time */
+
+#ifdef FP_TEST
+/* Hooks for the C tests only (the Python build leaves them out). */
+void fp_arena_test_lock(fp_arena_t *arena); /* takes the lock, never gives it back */
+/* Frees `block` as if an event had been recorded on it. */
+void fp_arena_test_free_armed(fp_arena_t *arena, uint32_t block);
+/* When non-zero, counts down at each crash point of the arena's critical
+ * sections; the process SIGKILLs itself where it reaches zero. */
+extern int fp_test_crash_at;
+#endif
 
 /* ---- copier (copier.c) ------------------------------------------------- */
 

@@ -7,6 +7,7 @@
  * that fp_raise() turns into an exception. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/arrayobject.h>
 #include <unistd.h>
@@ -29,7 +30,8 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    fp_arena_t *arena; /* one reference */
+    fp_arena_t *arena;     /* one reference */
+    PyObject *weakreflist; /* the Python layer keys arenas by token, weakly */
 } ArenaObject;
 
 typedef struct {
@@ -300,6 +302,21 @@ static PyObject *Block_get_nbytes(BlockObject *self, void *Py_UNUSED(c))
     return PyLong_FromUnsignedLongLong(self->lease->size);
 }
 
+static PyObject *Block_get_index(BlockObject *self, void *Py_UNUSED(c))
+{
+    return PyLong_FromUnsignedLong(self->lease->block);
+}
+
+/* Block.detach(): give the block up for another process (or this one) to
+ * adopt by (index, nbytes); freeing this Block no longer frees the block. */
+static PyObject *Block_detach(BlockObject *self, PyObject *Py_UNUSED(ignored))
+{
+    int status = fp_lease_detach(self->lease);
+    if (status)
+        return fp_raise(fp_state_of_type(Py_TYPE(self)), status);
+    Py_RETURN_NONE;
+}
+
 /* The stream whose work must finish before the block is reused: an int
  * handle (0: the legacy default stream), or None when no GPU reads it. */
 static PyObject *Block_get_consumer(BlockObject *self, void *Py_UNUSED(c))
@@ -335,12 +352,16 @@ static PyMethodDef Block_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))Block___dlpack__,
      METH_VARARGS | METH_KEYWORDS, "The whole block as a 1-D uint8 DLPack capsule."},
     {"__dlpack_device__", (PyCFunction)Block___dlpack_device__, METH_NOARGS, NULL},
+    {"detach", (PyCFunction)Block_detach, METH_NOARGS,
+     "detach()\nGive the block up for adoption (Arena.adopt(index, nbytes)), in the process\n"
+     "that allocated it: dropping this Block then leaves the block allocated."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef Block_getset[] = {
     {"ptr", (getter)Block_get_ptr, NULL, "address of the first byte", NULL},
     {"nbytes", (getter)Block_get_nbytes, NULL, "bytes asked for", NULL},
+    {"index", (getter)Block_get_index, NULL, "descriptor index in the arena", NULL},
     {"consumer_stream", (getter)Block_get_consumer, (setter)Block_set_consumer,
      "stream an event is recorded on when the block is released", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -389,9 +410,32 @@ static PyObject *Arena_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return (PyObject *)self;
 }
 
+/* Arena.attach(fd) -> new Arena over the shared arena behind memfd `fd`, made
+ * by another process (or this one); never registered with CUDA here. */
+static PyObject *Arena_attach(PyTypeObject *type, PyObject *arg)
+{
+    int fd = PyObject_AsFileDescriptor(arg);
+    if (fd < 0)
+        return NULL;
+    ArenaObject *self = (ArenaObject *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = fp_arena_attach(&self->arena, fd);
+    Py_END_ALLOW_THREADS
+    if (status) {
+        Py_DECREF(self);
+        return fp_raise(fp_state_of_type(type), status);
+    }
+    return (PyObject *)self;
+}
+
 static void Arena_dealloc(ArenaObject *self)
 {
     PyTypeObject *type = Py_TYPE(self);
+    if (self->weakreflist)
+        PyObject_ClearWeakRefs((PyObject *)self);
     if (self->arena)
         fp_arena_decref(self->arena);
     type->tp_free(self);
@@ -497,6 +541,66 @@ done:
     return result;
 }
 
+/* Arena.adopt(index, nbytes) -> new Block over a block another process (or
+ * this one) allocated and detached; this process frees it from then on. */
+static PyObject *Arena_adopt(ArenaObject *self, PyObject *args)
+{
+    fp_state *st = fp_state_of_type(Py_TYPE(self));
+    unsigned long long index, size;
+    if (!PyArg_ParseTuple(args, "KK:adopt", &index, &size))
+        return NULL;
+    fp_lease_t *lease;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = fp_lease_adopt(self->arena, index > UINT32_MAX ? UINT32_MAX : (uint32_t)index,
+                            size, &lease);
+    Py_END_ALLOW_THREADS
+    if (status)
+        return fp_raise(st, status);
+    return Block_wrap(st, lease);
+}
+
+static PyObject *Arena_reclaim(ArenaObject *self, PyObject *Py_UNUSED(ignored))
+{
+    uint32_t n;
+    Py_BEGIN_ALLOW_THREADS
+    n = fp_arena_reclaim(self->arena);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(n);
+}
+
+static PyObject *Arena_count_fallback(ArenaObject *self, PyObject *Py_UNUSED(ignored))
+{
+    fp_arena_count_fallback(self->arena); /* lock-free */
+    Py_RETURN_NONE;
+}
+
+static PyObject *Arena_owner(ArenaObject *self, PyObject *arg)
+{
+    unsigned long long index = PyLong_AsUnsignedLongLong(arg);
+    if (index == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    pid_t owner = 0;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = fp_arena_owner(self->arena, index > UINT32_MAX ? UINT32_MAX : (uint32_t)index,
+                            &owner);
+    Py_END_ALLOW_THREADS
+    if (status)
+        return fp_raise(fp_state_of_type(Py_TYPE(self)), status);
+    return PyLong_FromLong((long)owner);
+}
+
+/* An Arena holds a mapping and a lock of this process: what crosses to a
+ * worker is the fd, attached there. */
+static PyObject *Arena___reduce__(ArenaObject *self, PyObject *Py_UNUSED(ignored))
+{
+    (void)self;
+    return PyErr_Format(PyExc_TypeError,
+                        "cannot pickle 'fastpin._C.Arena' object: pass its fd (Arena.fd) to "
+                        "the other process and call Arena.attach(fd) there");
+}
+
 static PyObject *Arena_stats(ArenaObject *self, PyObject *Py_UNUSED(ignored))
 {
     fp_arena_stats_t s;
@@ -524,11 +628,14 @@ static PyObject *Arena_stats(ArenaObject *self, PyObject *Py_UNUSED(ignored))
         }
     }
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsIsIsIsOsN}", "capacity", s.capacity, "bytes_in_use", s.bytes_in_use,
-        "bytes_requested", s.bytes_requested, "high_water", s.high_water, "bytes_pending",
-        s.bytes_pending, "allocs", s.allocs, "failed", s.failed, "waits", s.waits,
-        "blocks_in_use", s.blocks_in_use, "blocks_pending", s.blocks_pending, "max_blocks",
-        s.max_blocks, "registered", s.registered ? Py_True : Py_False, "class_blocks", classes);
+        "{sKsKsKsKsKsKsKsKsKsKsKsIsIsIsIsOsOsN}", "capacity", s.capacity, "bytes_in_use",
+        s.bytes_in_use, "bytes_requested", s.bytes_requested, "high_water", s.high_water,
+        "bytes_pending", s.bytes_pending, "allocs", s.allocs, "failed", s.failed, "waits", s.waits,
+        "fallbacks", s.fallbacks, "lock_recoveries", s.lock_recoveries, "reclaimed", s.reclaimed,
+        "blocks_in_use", s.blocks_in_use, "blocks_pending", s.blocks_pending, "blocks_foreign",
+        s.blocks_foreign, "max_blocks", s.max_blocks, "registered",
+        s.registered ? Py_True : Py_False, "shared", s.shared ? Py_True : Py_False,
+        "class_blocks", classes);
 }
 
 static PyObject *Arena_collect(ArenaObject *self, PyObject *Py_UNUSED(ignored))
@@ -570,6 +677,16 @@ static PyObject *Arena_get_fd(ArenaObject *self, void *Py_UNUSED(c))
     return PyLong_FromLong(fp_arena_fd(self->arena));
 }
 
+static PyObject *Arena_get_token(ArenaObject *self, void *Py_UNUSED(c))
+{
+    return PyLong_FromUnsignedLongLong(fp_arena_token(self->arena));
+}
+
+static PyObject *Arena_get_attached(ArenaObject *self, void *Py_UNUSED(c))
+{
+    return PyBool_FromLong(fp_arena_attached(self->arena));
+}
+
 static PyMethodDef Arena_methods[] = {
     {"alloc", (PyCFunction)Arena_alloc, METH_O, "alloc(nbytes) -> Block"},
     {"pin", (PyCFunction)Arena_pin, METH_VARARGS,
@@ -581,6 +698,21 @@ static PyMethodDef Arena_methods[] = {
      "Return blocks whose GPU copies have finished to the free lists now."},
     {"is_valid", (PyCFunction)Arena_is_valid, METH_NOARGS,
      "Check every invariant of the allocator's metadata (for tests)."},
+    {"attach", (PyCFunction)Arena_attach, METH_O | METH_CLASS,
+     "attach(fd) -> Arena\nMap the shared arena behind memfd `fd` (made in another process);\n"
+     "never registered with CUDA. The Arena keeps its own copy of the fd."},
+    {"adopt", (PyCFunction)Arena_adopt, METH_VARARGS,
+     "adopt(index, nbytes) -> Block\nIn the process that created the arena: take over a\n"
+     "block another process allocated and detached. ValueError says why it cannot\n"
+     "(freed, already adopted, still held, another size)."},
+    {"reclaim", (PyCFunction)Arena_reclaim, METH_NOARGS,
+     "reclaim() -> int\nFree the blocks held by processes that no longer exist (a child\n"
+     "counts once it has been reaped); returns how many."},
+    {"count_fallback", (PyCFunction)Arena_count_fallback, METH_NOARGS,
+     "Count one batch a worker could not place in the arena (stats()['fallbacks'])."},
+    {"owner", (PyCFunction)Arena_owner, METH_O,
+     "owner(index) -> int\nThe pid that allocated an allocated block, 0 once adopted."},
+    {"__reduce__", (PyCFunction)Arena___reduce__, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -589,16 +721,27 @@ static PyGetSetDef Arena_getset[] = {
     {"registered", (getter)Arena_get_registered, NULL, "page-locked with CUDA", NULL},
     {"base", (getter)Arena_get_base, NULL, "address of the data", NULL},
     {"fd", (getter)Arena_get_fd, NULL, "memfd of a shared arena, else -1", NULL},
+    {"token", (getter)Arena_get_token, NULL,
+     "random 64-bit name of the arena, the same in every process that maps it", NULL},
+    {"attached", (getter)Arena_get_attached, NULL, "made by Arena.attach", NULL},
     {NULL, NULL, NULL, NULL, NULL},
+};
+
+/* Heap types declare their weak-reference slot this way (3.9+). */
+static PyMemberDef Arena_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(ArenaObject, weakreflist), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PyType_Slot Arena_slots[] = {
     {Py_tp_new, Arena_new},
+    {Py_tp_members, Arena_members},
     {Py_tp_dealloc, Arena_dealloc},
     {Py_tp_methods, Arena_methods},
     {Py_tp_getset, Arena_getset},
     {Py_tp_doc, "Arena(capacity, *, shared=False, device=0, cuda=True, max_blocks=0)\n"
-                "One region of host memory, page-locked with CUDA once when a GPU is present."},
+                "One region of host memory, page-locked with CUDA once when a GPU is present.\n"
+                "A shared arena (a memfd) is also mapped by other processes: Arena.attach(fd)."},
     {0, NULL},
 };
 

@@ -16,7 +16,8 @@ from conftest import patterned, settle, tensor_bytes
 KiB, MiB = 1 << 10, 1 << 20
 STATS_KEYS = {"capacity", "bytes_in_use", "bytes_requested", "high_water", "bytes_pending",
               "allocs", "failed", "waits", "blocks_in_use", "blocks_pending", "max_blocks",
-              "registered", "class_blocks"}
+              "registered", "class_blocks", "fallbacks", "lock_recoveries", "blocks_foreign",
+              "reclaimed", "shared"}
 
 
 def block_size(arena, nbytes):
@@ -35,7 +36,8 @@ def test_fresh_arena_stats(arena):
     assert s["registered"] is arena.registered is False
     assert s["class_blocks"] == {}
     for key in ("bytes_in_use", "bytes_requested", "high_water", "bytes_pending", "allocs",
-                "failed", "waits", "blocks_in_use", "blocks_pending"):
+                "failed", "waits", "blocks_in_use", "blocks_pending", "fallbacks",
+                "lock_recoveries", "blocks_foreign", "reclaimed"):
         assert s[key] == 0, key
     assert s["max_blocks"] >= 2
     assert arena.is_valid()

@@ -1,9 +1,16 @@
 /* Tests of the arena: size classes, a random model check, leases, frees
- * from other threads, a shared arena across fork. Plain C, no Python. */
+ * from other threads, a shared arena across fork, and the processes of
+ * zero-copy mode: workers that attach, fill and hand over blocks, die with
+ * blocks, or die holding the lock. Plain C, no Python. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "fastpin.h"
@@ -343,8 +350,589 @@ static void test_shared_fork(void)
     fp_arena_decref(a);
 }
 
+/* ---- processes: attach, adopt, reclaim, recover ------------------------ */
+
+/* Sanitized builds run the process tests shorter: each fork is slow there. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define SANITIZED 1
+#else
+#define SANITIZED 0
+#endif
+
+/* Exit status of a child, or 128 + the signal that ended it. */
+static int reap(pid_t pid)
+{
+    int ws;
+    if (waitpid(pid, &ws, 0) != pid)
+        return -1;
+    return WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
+}
+
+static void read_exact(int fd, void *buf, size_t n)
+{
+    char *p = buf;
+    while (n) {
+        ssize_t r = read(fd, p, n);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            fprintf(stderr, "read from a child: %s\n", r ? strerror(errno) : "end of file");
+            exit(1);
+        }
+        p += r;
+        n -= (size_t)r;
+    }
+}
+
+/* A child's attached view of the parent's arena, or exit(code). */
+static fp_arena_t *attach_or_exit(int fd, int code)
+{
+    fp_arena_t *w = NULL;
+    if (fp_arena_attach(&w, fd) != FP_OK)
+        _exit(code);
+    return w;
+}
+
+typedef struct {
+    uint32_t block; /* descriptor index */
+    uint32_t seed;  /* pattern the child wrote */
+    uint64_t size;  /* bytes the child asked for */
+} report_t;
+
+/* Four workers attach through the fd (a new mapping at another address),
+ * fill patterned blocks and say where they are; the parent adopts each one,
+ * checks every byte, and frees it. */
+static void test_attach_adopt(void)
+{
+    enum { CHILDREN = 4, PER_CHILD = 12 };
+    fp_arena_t *a = make(8 << 20, 0, FP_ARENA_SHARED | FP_ARENA_NO_CUDA);
+    int fd = fp_arena_fd(a);
+    int reports[2];
+    EXPECT(pipe(reports) == 0);
+    pid_t pids[CHILDREN];
+    for (int c = 0; c < CHILDREN; c++) {
+        pids[c] = fork();
+        if (pids[c] == 0) {
+            close(reports[0]);
+            fp_arena_t *w = attach_or_exit(fd, 10);
+            if (fp_arena_base(w) == fp_arena_base(a) || !fp_arena_attached(w) ||
+                fp_arena_registered(w) || fp_arena_token(w) != fp_arena_token(a) ||
+                fp_arena_capacity(w) != fp_arena_capacity(a))
+                _exit(11);
+            for (int k = 0; k < PER_CHILD; k++) {
+                report_t r = {.seed = (uint32_t)(c * 100 + k + 1),
+                              .size = 1 + (uint64_t)(c * 7919 + k * 104729) % 120000};
+                void *p;
+                if (fp_arena_alloc(w, r.size, &r.block, &p) != FP_OK)
+                    _exit(12);
+                fill(p, r.size, r.seed);
+                if (write(reports[1], &r, sizeof r) != sizeof r)
+                    _exit(13);
+            }
+            fp_arena_decref(w); /* unmaps; the shared lock stays usable */
+            _exit(0);
+        }
+    }
+    close(reports[1]);
+    report_t r[CHILDREN * PER_CHILD];
+    read_exact(reports[0], r, sizeof r);
+    close(reports[0]);
+    for (int c = 0; c < CHILDREN; c++)
+        EXPECT(reap(pids[c]) == 0);
+    EXPECT(fp_arena_is_valid(a));
+    fp_arena_stats_t s;
+    fp_arena_stats(a, &s);
+    EXPECT(s.blocks_foreign == CHILDREN * PER_CHILD && s.blocks_in_use == CHILDREN * PER_CHILD);
+    EXPECT(s.shared == 1);
+
+    fp_lease_t *leases[CHILDREN * PER_CHILD];
+    for (int i = 0; i < CHILDREN * PER_CHILD; i++) {
+        pid_t owner = 0;
+        EXPECT(fp_arena_owner(a, r[i].block, &owner) == FP_OK);
+        EXPECT(owner == pids[(r[i].seed - 1) / 100]);
+        /* The size must be the one the worker asked for. */
+        EXPECT(fp_lease_adopt(a, r[i].block, r[i].size + 1, &leases[i]) == FP_EINVAL);
+        EXPECT(strstr(fp_error_message(), "allocated for") != NULL);
+        EXPECT(fp_lease_adopt(a, r[i].block, r[i].size, &leases[i]) == FP_OK);
+        EXPECT(check(leases[i]->ptr, r[i].size, r[i].seed));
+        EXPECT(fp_arena_owner(a, r[i].block, &owner) == FP_OK && owner == 0);
+        fp_lease_t *twice;
+        EXPECT(fp_lease_adopt(a, r[i].block, r[i].size, &twice) == FP_EINVAL);
+        EXPECT(strstr(fp_error_message(), "already adopted") != NULL);
+    }
+    fp_lease_t *bad;
+    EXPECT(fp_lease_adopt(a, UINT32_MAX - 1, 1, &bad) == FP_EINVAL);
+    EXPECT(strstr(fp_error_message(), "out of range") != NULL);
+    fp_arena_stats(a, &s);
+    EXPECT(s.blocks_foreign == 0);
+    for (int i = 0; i < CHILDREN * PER_CHILD; i++) {
+        EXPECT(check(leases[i]->ptr, r[i].size, r[i].seed)); /* nothing overlapped */
+        fp_lease_decref(leases[i]);
+    }
+    /* A freed block cannot be adopted. */
+    EXPECT(fp_lease_adopt(a, r[0].block, r[0].size, &bad) == FP_EINVAL);
+    EXPECT(strstr(fp_error_message(), "not allocated") != NULL);
+    fp_arena_collect(a);
+    EXPECT(fp_arena_is_valid(a));
+    fp_arena_stats(a, &s);
+    EXPECT(s.bytes_in_use == 0 && s.blocks_in_use == 0);
+    fp_arena_decref(a);
+}
+
+/* A worker's lease: the block cannot be adopted while the lease holds it;
+ * once detached, releasing the lease leaves it for the adopter. */
+static void test_detach(void)
+{
+    fp_arena_t *a = make(1 << 20, 0, FP_ARENA_SHARED | FP_ARENA_NO_CUDA);
+    int up[2], down[2];
+    EXPECT(pipe(up) == 0 && pipe(down) == 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        fp_arena_t *w = attach_or_exit(fp_arena_fd(a), 10);
+        fp_lease_t *lease;
+        if (fp_lease_alloc(w, 30000, &lease) != FP_OK)
+            _exit(11);
+        fill(lease->ptr, lease->size, 4242);
+        report_t r = {.block = lease->block, .size = lease->size, .seed = 4242};
+        char go;
+        if (write(up[1], &r, sizeof r) != sizeof r || read(down[0], &go, 1) != 1)
+            _exit(12);
+        if (fp_lease_detach(lease) != FP_OK || fp_lease_detach(lease) != FP_OK)
+            _exit(13);
+        fp_arena_decref(w);     /* the lease keeps the mapping */
+        fp_lease_decref(lease); /* must not free the block */
+        if (write(up[1], &go, 1) != 1)
+            _exit(14);
+        _exit(0);
+    }
+    report_t r;
+    read_exact(up[0], &r, sizeof r);
+    fp_lease_t *lease;
+    EXPECT(fp_lease_adopt(a, r.block, r.size, &lease) == FP_EINVAL);
+    EXPECT(strstr(fp_error_message(), "not detached") != NULL);
+    char go = 1;
+    EXPECT(write(down[1], &go, 1) == 1);
+    read_exact(up[0], &go, 1);
+    EXPECT(reap(pid) == 0);
+    EXPECT(fp_lease_adopt(a, r.block, r.size, &lease) == FP_OK);
+    EXPECT(check(lease->ptr, r.size, r.seed));
+    /* Adopted: this process keeps it. */
+    EXPECT(fp_lease_detach(lease) == FP_EINVAL);
+    fp_arena_stats_t s;
+    fp_arena_stats(a, &s);
+    EXPECT(s.blocks_in_use == 1);
+    fp_lease_decref(lease);
+
+    /* The creator may detach and adopt its own block (a loader without workers). */
+    EXPECT(fp_lease_alloc(a, 5000, &lease) == FP_OK);
+    uint32_t b = lease->block;
+    fill(lease->ptr, 5000, 77);
+    fp_lease_t *mine;
+    EXPECT(fp_lease_adopt(a, b, 5000, &mine) == FP_EINVAL);
+    EXPECT(fp_lease_detach(lease) == FP_OK);
+    fp_lease_decref(lease);
+    EXPECT(fp_lease_adopt(a, b, 5000, &mine) == FP_OK);
+    EXPECT(check(mine->ptr, 5000, 77));
+    fp_lease_decref(mine);
+    fp_arena_collect(a);
+    fp_arena_stats(a, &s);
+    EXPECT(s.blocks_in_use == 0);
+    EXPECT(fp_arena_is_valid(a));
+    for (int i = 0; i < 2; i++)
+        close(up[i]), close(down[i]);
+    fp_arena_decref(a);
+}
+
+/* A worker killed with blocks (some already freed onto the return stack):
+ * reclaim frees the rest once the worker is reaped, and nothing twice. */
+static void test_reclaim_killed(void)
+{
+    fp_arena_t *a = make(1 << 20, 0, FP_ARENA_SHARED | FP_ARENA_NO_CUDA);
+    int ready[2];
+    EXPECT(pipe(ready) == 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        fp_arena_t *w = attach_or_exit(fp_arena_fd(a), 10);
+        uint32_t b[6];
+        for (int i = 0; i < 6; i++) {
+            void *p;
+            if (fp_arena_alloc(w, 10000 + (uint64_t)i * 3000, &b[i], &p) != FP_OK)
+                _exit(11);
+            fill(p, 10000 + (uint64_t)i * 3000, (uint32_t)i + 500);
+        }
+        fp_arena_free(w, b[1], NULL); /* on the return stack when it dies */
+        fp_arena_free(w, b[4], NULL);
+        char c = 1;
+        if (write(ready[1], &c, 1) != 1)
+            _exit(12);
+        for (;;)
+            pause();
+    }
+    char c;
+    read_exact(ready[0], &c, 1);
+    EXPECT(fp_arena_reclaim(a) == 0); /* alive */
+    kill(pid, SIGKILL);
+    /* Until reaped, a zombie still exists for kill(pid, 0). */
+    struct timespec nap = {0, 20 * 1000 * 1000};
+    nanosleep(&nap, NULL);
+    EXPECT(fp_arena_reclaim(a) == 0);
+    EXPECT(reap(pid) == 128 + SIGKILL);
+    EXPECT(fp_arena_reclaim(a) == 4);
+    EXPECT(fp_arena_reclaim(a) == 0);
+    EXPECT(fp_arena_is_valid(a));
+    fp_arena_collect(a);
+    fp_arena_stats_t s;
+    fp_arena_stats(a, &s);
+    EXPECT(s.blocks_in_use == 0 && s.bytes_in_use == 0 && s.reclaimed == 4);
+    uint32_t b;
+    void *p;
+    EXPECT(fp_arena_alloc(a, 1 << 20, &b, &p) == FP_OK); /* all of it merged back */
+    fp_arena_free(a, b, NULL);
+    close(ready[0]);
+    close(ready[1]);
+    fp_arena_decref(a);
+}
+
+/* A worker killed while it holds the lock: the next locker recovers. */
+static void test_lock_owner_dies(void)
+{
+    fp_arena_t *a = make(1 << 20, 0, FP_ARENA_SHARED | FP_ARENA_NO_CUDA);
+    uint32_t mine;
+    void *p;
+    EXPECT(fp_arena_alloc(a, 7000, &mine, &p) == FP_OK);
+    fill(p, 7000, 31);
+    int ready[2];
+    EXPECT(pipe(ready) == 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        fp_arena_t *w = attach_or_exit(fp_arena_fd(a), 10);
+        uint32_t b;
+        void *q;
+        if (fp_arena_alloc(w, 3000, &b, &q) != FP_OK)
+            _exit(11);
+        fp_arena_test_lock(w);
+        char c = 1;
+        if (write(ready[1], &c, 1) != 1)
+            _exit(12);
+        for (;;)
+            pause();
+    }
+    char c;
+    read_exact(ready[0], &c, 1);
+    kill(pid, SIGKILL);
+    EXPECT(reap(pid) == 128 + SIGKILL);
+    EXPECT(fp_arena_is_valid(a)); /* takes the lock: EOWNERDEAD, repaired */
+    fp_arena_stats_t s;
+    fp_arena_stats(a, &s);
+    EXPECT(s.lock_recoveries == 1 && s.blocks_in_use == 2);
+    EXPECT(fp_arena_reclaim(a) == 1);
+    EXPECT(check(p, 7000, 31));
+    fp_arena_free(a, mine, NULL);
+    fp_arena_collect(a);
+    fp_arena_stats(a, &s);
+    EXPECT(s.blocks_in_use == 0 && s.lock_recoveries == 1);
+    EXPECT(fp_arena_is_valid(a));
+    close(ready[0]);
+    close(ready[1]);
+    fp_arena_decref(a);
+}
+
+/* A block freed with an event is left pending by every process but the
+ * creator; an attached process that finds only such blocks in the way gets
+ * FP_ENOMEM at once instead of waiting. */
+static void test_armed_pending(void)
+{
+    fp_arena_t *a = make(64 << 10, 0, FP_ARENA_SHARED | FP_ARENA_NO_CUDA);
+    uint32_t x, y;
+    void *p;
+    EXPECT(fp_arena_alloc(a, 40 << 10, &x, &p) == FP_OK);
+    EXPECT(fp_arena_alloc(a, 8 << 10, &y, &p) == FP_OK);
+    fp_arena_test_free_armed(a, x);
+    fp_arena_free(a, y, NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        fp_arena_t *w = attach_or_exit(fp_arena_fd(a), 10);
+        fp_arena_collect(w);
+        fp_arena_stats_t s;
+        fp_arena_stats(w, &s);
+        if (s.blocks_pending != 1 || s.blocks_in_use != 1)
+            _exit(11); /* the unarmed one is retired, the armed one kept */
+        uint32_t b;
+        void *q;
+        if (fp_arena_alloc(w, 40 << 10, &b, &q) != FP_ENOMEM ||
+            !strstr(fp_error_message(), "only the creating process"))
+            _exit(12);
+        if (fp_arena_alloc(w, 20 << 10, &b, &q) != FP_OK)
+            _exit(13);
+        fp_arena_free(w, b, NULL);
+        fp_arena_decref(w);
+        _exit(0);
+    }
+    EXPECT(reap(pid) == 0);
+    /* The inherited struct in a forked child is not the creator either. */
+    pid = fork();
+    if (pid == 0) {
+        fp_arena_collect(a);
+        fp_arena_stats_t s;
+        fp_arena_stats(a, &s);
+        _exit(s.blocks_pending == 1 ? 0 : 11);
+    }
+    EXPECT(reap(pid) == 0);
+    fp_arena_collect(a);
+    fp_arena_stats_t s;
+    fp_arena_stats(a, &s);
+    EXPECT(s.blocks_pending == 0 && s.blocks_in_use == 0 && s.failed == 1);
+    EXPECT(fp_arena_alloc(a, 40 << 10, &x, &p) == FP_OK);
+    fp_arena_free(a, x, NULL);
+    EXPECT(fp_arena_is_valid(a));
+    fp_arena_decref(a);
+}
+
+static void test_attach_errors(void)
+{
+    fp_arena_t *w = (fp_arena_t *)&w;
+    EXPECT(fp_arena_attach(&w, -1) == FP_EOS && w == NULL);
+    int fds[2];
+    EXPECT(pipe(fds) == 0);
+    EXPECT(fp_arena_attach(&w, fds[0]) == FP_EINVAL);
+    EXPECT(strstr(fp_error_message(), "does not hold a fastpin arena") != NULL);
+    close(fds[0]);
+    close(fds[1]);
+    int fd = memfd_create("not-an-arena", MFD_CLOEXEC);
+    EXPECT(fd >= 0 && ftruncate(fd, 1 << 16) == 0);
+    unsigned char *junk = mmap(NULL, 1 << 16, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    fill(junk, 1 << 16, 3);
+    EXPECT(fp_arena_attach(&w, fd) == FP_EINVAL);
+    EXPECT(strstr(fp_error_message(), "magic") != NULL);
+    munmap(junk, 1 << 16);
+    close(fd);
+    /* Two arenas never share a token. */
+    fp_arena_t *a = make(1 << 16, 0, FP_ARENA_SHARED | FP_ARENA_NO_CUDA);
+    fp_arena_t *b = make(1 << 16, 0, FP_ARENA_SHARED | FP_ARENA_NO_CUDA);
+    EXPECT(fp_arena_token(a) != fp_arena_token(b) && fp_arena_token(a) != 0);
+    /* The attached view outlives the creator's reference. */
+    EXPECT(fp_arena_attach(&w, fp_arena_fd(a)) == FP_OK);
+    fp_arena_decref(a);
+    uint32_t blk;
+    void *p;
+    EXPECT(fp_arena_alloc(w, 1000, &blk, &p) == FP_OK);
+    fp_arena_free(w, blk, NULL);
+    EXPECT(fp_arena_is_valid(w));
+    fp_arena_decref(w);
+    fp_arena_decref(b);
+}
+
+/* Workers allocate and free at random and are SIGKILLed at random moments:
+ * in the middle of allocations, frees, drains, merges, splits, with or
+ * without the lock. After each round the parent's own blocks are intact,
+ * the invariants hold, and reclaim plus collect give everything back. */
+static void *spin_child(fp_arena_t *w, uint64_t seed)
+{
+    enum { SLOTS = 24 };
+    struct { uint32_t block; int live; } slot[SLOTS] = {{0, 0}};
+    rng_state = seed | 1;
+    for (uint32_t step = 0;; step++) {
+        int i = (int)(rng() % SLOTS);
+        if (slot[i].live) {
+            fp_arena_free(w, slot[i].block, NULL);
+            slot[i].live = 0;
+        } else {
+            uint64_t size = rng() % 8 == 0 ? rng() % (256 << 10) : rng() % 9000;
+            void *p;
+            if (fp_arena_alloc(w, size, &slot[i].block, &p) == FP_OK) {
+                memset(p, 0xa5, size < 512 ? size : 512);
+                slot[i].live = 1;
+            }
+        }
+        if (step % 64 == 0)
+            fp_arena_collect(w);
+    }
+    return NULL;
+}
+
+static void test_random_kills(void)
+{
+    int rounds = SANITIZED ? 60 : 300;
+    fp_arena_t *a = make(4 << 20, 200, FP_ARENA_SHARED | FP_ARENA_NO_CUDA);
+    enum { MINE = 6 };
+    uint32_t mine[MINE];
+    void *ptr[MINE];
+    for (int i = 0; i < MINE; i++) {
+        EXPECT(fp_arena_alloc(a, 20000 + (uint64_t)i * 1111, &mine[i], &ptr[i]) == FP_OK);
+        fill(ptr[i], 20000 + (uint64_t)i * 1111, (uint32_t)i + 900);
+    }
+    uint64_t reclaimed = 0;
+    for (int round = 0; round < rounds; round++) {
+        /* Blocks of the parent's, freed while the workers run: a worker that
+         * dies draining them must not lose them (nobody would reclaim them). */
+        enum { FREED = 40 };
+        uint32_t freed[FREED];
+        int nfreed = 0;
+        for (int i = 0; i < FREED; i++) {
+            void *p;
+            if (fp_arena_alloc(a, 256 + rng() % 2000, &freed[nfreed], &p) == FP_OK)
+                nfreed++;
+        }
+        pid_t pids[2];
+        for (int c = 0; c < 2; c++) {
+            uint64_t seed = rng();
+            pids[c] = fork();
+            if (pids[c] == 0) {
+                /* One attaches, one uses the inherited struct, as fork
+                 * workers might. */
+                fp_arena_t *w = c == 0 ? attach_or_exit(fp_arena_fd(a), 10) : a;
+                spin_child(w, seed);
+            }
+        }
+        for (int c = 0; c < 2; c++) {
+            struct timespec nap = {0, (long)(rng() % 3000) * 1000};
+            nanosleep(&nap, NULL);
+            if (c == 0) {
+                for (int i = 0; i < nfreed; i++)
+                    fp_arena_free(a, freed[i], NULL);
+                nap.tv_nsec = (long)(rng() % 200) * 1000;
+                nanosleep(&nap, NULL);
+            }
+            kill(pids[c], SIGKILL);
+            EXPECT(reap(pids[c]) == 128 + SIGKILL);
+            if (!fp_arena_is_valid(a)) {
+                fprintf(stderr, "round %d, child %d: %s\n", round, c, fp_error_message());
+                failures++;
+            }
+        }
+        reclaimed += fp_arena_reclaim(a);
+        fp_arena_collect(a);
+        fp_arena_stats_t s;
+        fp_arena_stats(a, &s);
+        EXPECT(s.blocks_in_use == MINE && s.blocks_pending == 0 && s.blocks_foreign == 0);
+        for (int i = 0; i < MINE; i++)
+            EXPECT(check(ptr[i], 20000 + (uint64_t)i * 1111, (uint32_t)i + 900));
+        if (failures)
+            break;
+    }
+    for (int i = 0; i < MINE; i++)
+        fp_arena_free(a, mine[i], NULL);
+    fp_arena_collect(a);
+    fp_arena_stats_t s;
+    fp_arena_stats(a, &s);
+    EXPECT(s.blocks_in_use == 0 && s.bytes_in_use == 0);
+    uint32_t b;
+    void *p;
+    EXPECT(fp_arena_alloc(a, 4 << 20, &b, &p) == FP_OK); /* one block again */
+    fp_arena_free(a, b, NULL);
+    EXPECT(fp_arena_is_valid(a));
+    printf("  random kills: %d rounds, %llu locks recovered, %llu blocks reclaimed\n", rounds,
+           (unsigned long long)s.lock_recoveries, (unsigned long long)reclaimed);
+    fp_arena_decref(a);
+}
+
+/* Kills a worker at each crash point of the arena in turn (k = 1, 2, ...
+ * until its workload ends alive): after every death the parent finds the
+ * invariants whole, its own blocks intact, and every byte back after reclaim
+ * and collect. The workload splits, merges, drains blocks the parent freed,
+ * retires, and frees. A second worker then dies at each point of the repair
+ * the first death calls for, to show the repair survives its own death. */
+static void crash_workload(fp_arena_t *w, int crash_at)
+{
+    uint32_t b[4];
+    void *p;
+    fp_test_crash_at = crash_at;
+    for (int i = 0; i < 3; i++)
+        if (fp_arena_alloc(w, 3000 + (uint64_t)i * 5000, &b[i], &p) != FP_OK)
+            _exit(20);
+    fp_arena_free(w, b[1], NULL);
+    if (fp_arena_alloc(w, 100, &b[3], &p) != FP_OK) /* drains, retires, merges */
+        _exit(21);
+    fp_arena_free(w, b[0], NULL);
+    fp_arena_free(w, b[2], NULL);
+    fp_arena_collect(w);
+    fp_arena_free(w, b[3], NULL);
+    fp_arena_collect(w);
+    fp_test_crash_at = 0;
+}
+
+static int crash_round(int crash_at, int repair_crash_at, uint64_t *recoveries)
+{
+    enum { MINE = 3, FREED = 5 };
+    fp_arena_t *a = make(256 << 10, 32, FP_ARENA_SHARED | FP_ARENA_NO_CUDA);
+    uint32_t mine[MINE], freed[FREED];
+    void *ptr[MINE], *p;
+    /* Mine sit between free gaps, so the worker's frees merge around them. */
+    for (int i = 0; i < MINE; i++) {
+        uint32_t gap;
+        EXPECT(fp_arena_alloc(a, 9000, &gap, &p) == FP_OK);
+        EXPECT(fp_arena_alloc(a, 4000 + (uint64_t)i * 700, &mine[i], &ptr[i]) == FP_OK);
+        fill(ptr[i], 4000 + (uint64_t)i * 700, (uint32_t)i + 60);
+        fp_arena_free(a, gap, NULL);
+    }
+    fp_arena_collect(a);
+    for (int i = 0; i < FREED; i++)
+        EXPECT(fp_arena_alloc(a, 1000 + (uint64_t)i * 300, &freed[i], &p) == FP_OK);
+    for (int i = 0; i < FREED; i++)
+        fp_arena_free(a, freed[i], NULL); /* left on the return stack for the worker */
+    pid_t pid = fork();
+    if (pid == 0) {
+        crash_workload(attach_or_exit(fp_arena_fd(a), 10), crash_at);
+        _exit(0);
+    }
+    int status = reap(pid);
+    EXPECT(status == 0 || status == 128 + SIGKILL);
+    if (repair_crash_at) {
+        /* The next locker dies in turn, maybe inside the repair. */
+        pid = fork();
+        if (pid == 0) {
+            fp_arena_t *w = attach_or_exit(fp_arena_fd(a), 10);
+            fp_test_crash_at = repair_crash_at;
+            fp_arena_collect(w);
+            _exit(0);
+        }
+        int s2 = reap(pid);
+        EXPECT(s2 == 0 || s2 == 128 + SIGKILL);
+    }
+    if (!fp_arena_is_valid(a)) {
+        fprintf(stderr, "crash point %d/%d: %s\n", crash_at, repair_crash_at, fp_error_message());
+        failures++;
+    }
+    fp_arena_reclaim(a);
+    fp_arena_collect(a);
+    fp_arena_stats_t s;
+    fp_arena_stats(a, &s);
+    EXPECT(s.blocks_in_use == MINE && s.blocks_pending == 0);
+    for (int i = 0; i < MINE; i++) {
+        EXPECT(check(ptr[i], 4000 + (uint64_t)i * 700, (uint32_t)i + 60));
+        fp_arena_free(a, mine[i], NULL);
+    }
+    uint32_t whole;
+    EXPECT(fp_arena_alloc(a, 256 << 10, &whole, &p) == FP_OK);
+    fp_arena_free(a, whole, NULL);
+    EXPECT(fp_arena_is_valid(a));
+    *recoveries += s.lock_recoveries;
+    fp_arena_decref(a);
+    return status == 0;
+}
+
+static void test_crash_points(void)
+{
+    uint64_t recoveries = 0;
+    int k = 1;
+    while (!crash_round(k, 0, &recoveries) && !failures && k < 10000)
+        k++;
+    EXPECT(k > 20 && k < 10000); /* the workload passed its crash points */
+    /* Second deaths: at each point of the repair (and of the collect after
+     * it) that a first death at every 4th workload point calls for (every
+     * 12th, and fewer points, in the slower sanitized builds). */
+    int second = 0;
+    for (int first = 1; first < k && !failures; first += SANITIZED ? 12 : 4)
+        for (int j = 1; j < (SANITIZED ? 12 : 24) && !failures; j++, second++)
+            crash_round(first, j, &recoveries);
+    printf("  crash points: %d in the workload, %d rounds with a second death, %llu locks "
+           "recovered\n", k - 1, second, (unsigned long long)recoveries);
+}
+
 int main(void)
 {
+    /* Children must not inherit unwritten output (TSan flushes it at _exit). */
+    setvbuf(stdout, NULL, _IOLBF, 0);
     int cuda = fp_cuda_load();
     printf("test_arena: CUDA %s (%s)\n", cuda == FP_CUDA_READY ? "ready" : "absent",
            fp_cuda.reason);
@@ -356,6 +944,14 @@ int main(void)
     test_cross_thread_free();
     test_lease_outlives_arena();
     test_shared_fork();
+    test_attach_adopt();
+    test_detach();
+    test_reclaim_killed();
+    test_lock_owner_dies();
+    test_armed_pending();
+    test_attach_errors();
+    test_crash_points();
+    test_random_kills();
     if (failures) {
         printf("test_arena: %d failure(s)\n", failures);
         return 1;
