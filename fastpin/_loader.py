@@ -14,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Iterable, Optional
 
@@ -45,15 +46,18 @@ class _Stats:
         self.fallbacks = 0
 
     def as_dict(self, arena) -> dict:
+        s = arena.stats()
         with self.lock:
             d = {
                 "batches": self.batches,
                 "bytes": self.bytes,
                 "host_to_pinned_gbps": self.bytes / self.copy_seconds / 1e9 if self.copy_seconds else 0.0,
                 "consumer_wait_s": self.wait_seconds,
+                # Batches the main process pinned by copy: workers that found
+                # the shared arena full (zero-copy mode).
                 "fallbacks": self.fallbacks,
+                "worker_fallbacks": s.get("fallbacks", 0),
             }
-        s = arena.stats()
         d["pool_high_water"] = s["high_water"]
         d["pool_capacity"] = s["capacity"]
         return d
@@ -68,10 +72,15 @@ class Loader:
         host (for code that does its own .to(..., non_blocking=True)). "cpu":
         batches pass through unchanged, prefetched in the background.
     depth: how many batches are prepared ahead of the consumer (>= 1).
+    zero_copy: the DataLoader's workers collate straight into a shared, page-locked
+        arena of `capacity` bytes (default: fastpin.configure's), so the main process
+        copies nothing. Sets the DataLoader's collate_fn; needs a DataLoader whose
+        workers have not started yet.
     """
 
     def __init__(self, loader: Iterable, device: Any = "cuda", depth: int = 2, *,
-                 arena: Optional[_C.Arena] = None):
+                 arena: Optional[_C.Arena] = None, zero_copy: bool = False,
+                 capacity: Optional[int] = None):
         import torch
 
         if depth < 1:
@@ -80,6 +89,7 @@ class Loader:
         self.depth = depth
         self._arena = arena
         self._stats = _Stats()
+        self.zero_copy = False
         if device is None:
             self.device = None
         else:
@@ -94,6 +104,37 @@ class Loader:
             elif self.device.type != "cpu":
                 raise ValueError(f"fastpin.Loader supports cuda and cpu devices, not {device!r}")
         self._active: Optional[weakref.ref] = None
+        if zero_copy:
+            self._setup_zero_copy(arena, capacity)
+
+    def _setup_zero_copy(self, arena: Optional[_C.Arena], capacity: Optional[int]) -> None:
+        """Make the shared arena (registered with CUDA here, before any worker
+        starts) and hand the DataLoader's workers a collate_fn that writes into it."""
+        from torch.utils.data import DataLoader
+
+        from . import _zerocopy
+        from ._arena import _current_device, get_capacity
+
+        if not isinstance(self.loader, DataLoader):
+            raise TypeError("fastpin.Loader(zero_copy=True) needs a torch.utils.data.DataLoader, "
+                            f"not {type(self.loader).__name__}")
+        if getattr(self.loader, "_iterator", None) is not None:
+            warnings.warn("fastpin.Loader(zero_copy=True): the DataLoader's persistent workers "
+                          "already run with their own collate_fn; batches will be pinned by copy",
+                          RuntimeWarning, stacklevel=3)
+            return
+        if arena is None:
+            device = self.device.index if self.device is not None and self.device.type == "cuda" \
+                else _current_device()
+            arena = _C.Arena(capacity or get_capacity(), shared=True, device=device,
+                             cuda=cuda_available())
+        elif arena.fd < 0:
+            raise ValueError("fastpin.Loader(zero_copy=True) needs a shared arena "
+                             "(_C.Arena(..., shared=True))")
+        _zerocopy.register(arena)
+        self._arena = arena
+        self.loader.collate_fn = _zerocopy.wrap_collate(self.loader.collate_fn, arena)
+        self.zero_copy = True
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -106,6 +147,26 @@ class Loader:
         epoch = _Epoch(self)
         self._active = weakref.ref(epoch)
         return epoch
+
+    def state_dict(self) -> dict:
+        """The wrapped loader's state (torchdata's StatefulDataLoader, say). Batches
+        already prepared ahead count as consumed by the wrapped loader: take the state
+        between epochs, or with depth=1 to lose at most one batch on resume."""
+        if not hasattr(self.loader, "state_dict"):
+            raise AttributeError(f"{type(self.loader).__name__} has no state_dict()")
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if not hasattr(self.loader, "load_state_dict"):
+            raise AttributeError(f"{type(self.loader).__name__} has no load_state_dict()")
+        self.loader.load_state_dict(state)
+
+    def __getattr__(self, name):
+        # dataset, batch_size, sampler, ... of the wrapped DataLoader, as
+        # training frameworks expect of a loader.
+        if name.startswith("_") or name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
     @property
     def arena(self) -> _C.Arena:
@@ -129,6 +190,7 @@ class _Producer:
         self.device = owner.device
         self.stats = owner._stats
         self.arena = owner.arena
+        self.zero_copy = owner.zero_copy
         self.queue: queue.Queue = queue.Queue(maxsize=owner.depth)
         self.stop = threading.Event()
         cuda = self.device is not None and self.device.type == "cuda"
@@ -164,6 +226,10 @@ class _Producer:
             self.put(_Failure(exc))
         finally:
             self.source = None  # a DataLoader iterator shuts its workers down
+            if self.zero_copy:
+                # Workers that died before their batches arrived (killed, or
+                # shut down with results still queued) leave blocks behind.
+                self.arena.reclaim()
 
     def put(self, item) -> None:
         while not self.stop.is_set():
@@ -174,6 +240,18 @@ class _Producer:
                 continue
 
     def prepare(self, batch):
+        if self.zero_copy:
+            from ._zerocopy import receive
+
+            self.arena.collect()  # only this process can see the GPU finish with blocks
+            consumer = self.copy_stream if self.copy_stream is not None else self.consumer_stream
+            batch, adopted = receive(batch, getattr(consumer, "cuda_stream", None))
+            if not adopted:
+                with self.stats.lock:
+                    self.stats.fallbacks += 1
+            elif self.device is None:
+                self.count(batch)
+                return batch
         if self.device is None:
             out = pin_memory(batch, arena=self.arena, stream=self.consumer_stream)
             self.count(out)
@@ -216,12 +294,20 @@ class _Producer:
             nbytes = x.numel() * x.element_size()
             if nbytes:
                 copies.append((dst.data_ptr(), x.data_ptr(), nbytes, x.is_pinned()))
-                keep.append(x)
+                keep.append((dst, x))
             return dst
 
         with torch.cuda.stream(self.copy_stream):
             out = map_leaves(batch, lambda x: isinstance(x, (torch.Tensor, np.ndarray)), leaf)
-            _C.h2d(self.arena, self.copy_stream.cuda_stream, copies)
+            try:
+                _C.h2d(self.arena, self.copy_stream.cuda_stream, copies)
+            except _C.ArenaFullError:
+                # Live pinned batches fill the arena: copy from pageable memory,
+                # slower, never stuck. Copies already queued stay valid.
+                for dst, src in keep:
+                    dst.copy_(src)
+                with self.stats.lock:
+                    self.stats.fallbacks += 1
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         while self.in_flight and self.in_flight[0][0].query():

@@ -1,0 +1,282 @@
+"""Zero-copy collation: DataLoader workers write batches straight into a shared,
+page-locked arena, and the main process takes the blocks over without copying.
+
+The main process creates the arena (a memfd) and registers it with CUDA once,
+before any worker starts. The DataLoader's collate_fn is wrapped in a
+_WorkerCollate that travels to each worker (as a file descriptor under spawn
+and forkserver, inherited under fork), attaches the arena there (workers never
+touch CUDA), stacks the samples directly into one block per batch, and returns
+a small _Shipped descriptor. Unpickling it in the main process adopts the
+block: from then on the main process owns it, and it is freed, after the GPU
+is done with it, when the batch's tensors die.
+
+A worker that finds the arena full falls back to the ordinary collate path
+(the main process then pins by copy) and counts it; blocks of a worker that
+died before its batch arrived are reclaimed at the end of the epoch.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from multiprocessing import reduction
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import (
+    collate,
+    collate_tensor_fn,
+    default_collate,
+    default_collate_fn_map,
+)
+
+from . import _C
+from ._dtypes import torch_carrier
+from ._walk import map_leaves
+
+_GRANULE = _C.GRANULE
+
+# Main process: the arenas whose blocks may arrive here, by token.
+_arenas: "weakref.WeakValueDictionary[int, _C.Arena]" = weakref.WeakValueDictionary()
+# Worker processes: the arenas attached there, by token, with the attaching pid.
+_attached: dict = {}
+_attach_lock = threading.Lock()
+
+
+_creators: dict = {}  # token -> pid of the process that made the arena
+
+
+def register(arena: _C.Arena) -> None:
+    """Let blocks of `arena` shipped by workers be adopted in this process."""
+    _arenas[arena.token] = arena
+    _creators[arena.token] = os.getpid()
+
+
+# ---- the worker side ---------------------------------------------------------
+
+class _Stack:
+    """Placeholder for a stacked tensor: the samples, stacked later into the block."""
+
+    __slots__ = ("samples",)
+
+    def __init__(self, samples):
+        self.samples = samples
+
+
+def _stack_later(batch, *, collate_fn_map=None):
+    elem = batch[0]
+    if (elem.device.type != "cpu" or elem.layout != torch.strided or elem.is_nested
+            or elem.is_quantized or torch_carrier(elem.dtype) is None
+            or any(t.shape != elem.shape or t.dtype != elem.dtype or t.device != elem.device
+                   for t in batch)):
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    return _Stack(batch)
+
+
+_placeholder_map = {**default_collate_fn_map, torch.Tensor: _stack_later}
+
+
+def _is_leaf(x) -> bool:
+    return isinstance(x, (_Stack, torch.Tensor, np.ndarray))
+
+
+def _stack_now(tree):
+    """The ordinary path for a tree of placeholders (the arena was full)."""
+    return map_leaves(tree, lambda x: isinstance(x, _Stack),
+                      lambda s: collate_tensor_fn(s.samples))
+
+
+class _Ref:
+    """Where a leaf lies in the block: offset, shape, strides (elements) and type."""
+
+    __slots__ = ("offset", "shape", "strides", "dtype", "numpy")
+
+    def __init__(self, offset, shape, strides, dtype, numpy):
+        self.offset, self.shape, self.strides = offset, shape, strides
+        self.dtype, self.numpy = dtype, numpy
+
+    def __reduce__(self):
+        return (_Ref, (self.offset, self.shape, self.strides, self.dtype, self.numpy))
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(strides[::-1])
+
+
+def _pack(tree, arena: _C.Arena):
+    """Copy every tensor/array leaf of `tree` (placeholders stacked in place) into
+    one new block; returns (block, tree of _Ref). Raises ArenaFullError."""
+    sources = []   # (address, nbytes) for Arena.pin, packed with align 1
+    keep = []      # contiguous copies made here, alive until the copy is done
+    refs = []
+    offset = 0
+
+    def add(t) -> None:
+        nonlocal offset
+        if not t.is_contiguous() or t.is_conj() or t.is_neg():
+            t = t.contiguous().resolve_conj().resolve_neg()
+            keep.append(t)
+        n = t.numel() * t.element_size()
+        sources.append((t.data_ptr() if n else 0, n))
+        offset += n
+
+    def pad() -> None:
+        nonlocal offset
+        gap = -offset % _GRANULE
+        if gap:
+            sources.append((0, gap))
+            offset += gap
+
+    def place(x):
+        nonlocal offset
+        start = offset
+        if isinstance(x, _Stack):
+            for sample in x.samples:
+                add(sample)
+            shape = (len(x.samples), *x.samples[0].shape)
+            ref = _Ref(start, shape, _contiguous_strides(shape), x.samples[0].dtype, False)
+        elif isinstance(x, torch.Tensor):
+            if x.device.type != "cpu" or x.layout != torch.strided or torch_carrier(x.dtype) is None:
+                return x  # travels the ordinary way
+            add(x)
+            ref = _Ref(start, tuple(x.shape), _contiguous_strides(x.shape), x.dtype, False)
+        else:
+            if x.dtype.hasobject:
+                return x
+            a = np.ascontiguousarray(x)
+            keep.append(a)
+            sources.append((a.ctypes.data if a.nbytes else 0, a.nbytes))
+            offset += a.nbytes
+            ref = _Ref(start, a.shape, _contiguous_strides(a.shape), a.dtype.str, True)
+        pad()
+        return ref
+
+    shipped = map_leaves(tree, _is_leaf, place)
+    block, _ = arena.pin(sources, 1)
+    return block, shipped
+
+
+class _Shipped:
+    """What crosses the result queue: the block and where each leaf lies in it."""
+
+    __slots__ = ("token", "index", "nbytes", "tree", "block")
+
+    def __init__(self, token, index, nbytes, tree, block=None):
+        self.token, self.index, self.nbytes, self.tree = token, index, nbytes, tree
+        self.block = block  # the worker's hold, given up once pickled
+
+    def __reduce__(self):
+        if self.block is not None:
+            # From here the main process owns the block: the worker must not
+            # free it when its Block object dies.
+            self.block.detach()
+            self.block = None
+        return (_adopt, (self.token, self.index, self.nbytes, self.tree))
+
+    def pin_memory(self):
+        return self  # DataLoader's pin thread: already pinned
+
+
+class _Adopted:
+    """A shipped batch in the main process, its block adopted."""
+
+    __slots__ = ("block", "tree")
+
+    def __init__(self, block, tree):
+        self.block, self.tree = block, tree
+
+    def pin_memory(self):
+        return self
+
+
+def _adopt(token, index, nbytes, tree):
+    arena = _arenas.get(token)
+    if arena is None or _creators.get(token) != os.getpid():
+        raise RuntimeError(
+            "fastpin: a batch arrived from a zero-copy worker, but its arena is not known in "
+            "this process (unpickled outside the Loader that made it?)")
+    return _Adopted(arena.adopt(index, nbytes), tree)
+
+
+def _attach(fd: int, token: int) -> _C.Arena:
+    """The arena with this token in this process: its own, or attached by fd."""
+    own = _arenas.get(token)
+    if own is not None and _creators.get(token) == os.getpid():
+        return own  # collating in the main process (num_workers=0)
+    with _attach_lock:
+        entry = _attached.get(token)
+        if entry is None or entry[0] != os.getpid():
+            arena = _C.Arena.attach(fd)
+            if arena.token != token:
+                raise RuntimeError("fastpin: the file descriptor does not hold the expected arena")
+            # A worker copies on its own thread: the DataLoader runs many.
+            _C.set_threads(1)
+            entry = _attached[token] = (os.getpid(), arena)
+        return entry[1]
+
+
+class _WorkerCollate:
+    """The collate_fn DataLoader workers run in zero-copy mode."""
+
+    def __init__(self, collate_fn: Optional[Callable], fd: int, token: int):
+        self.collate_fn = collate_fn  # None: default_collate
+        self.fd = fd
+        self.token = token
+
+    def __reduce__(self):
+        # spawn / forkserver: the memfd travels as a file descriptor.
+        return (_WorkerCollate._rebuild, (self.collate_fn, reduction.DupFd(self.fd), self.token))
+
+    @staticmethod
+    def _rebuild(collate_fn, dupfd, token):
+        return _WorkerCollate(collate_fn, dupfd.detach(), token)
+
+    def __call__(self, samples):
+        if self.collate_fn is None:
+            tree = collate(samples, collate_fn_map=_placeholder_map)
+        else:
+            tree = self.collate_fn(samples)
+        arena = _attach(self.fd, self.token)
+        try:
+            block, shipped = _pack(tree, arena)
+        except _C.ArenaFullError:
+            arena.count_fallback()
+            return _stack_now(tree) if self.collate_fn is None else tree
+        return _Shipped(self.token, block.index, block.nbytes, shipped, block)
+
+
+def wrap_collate(collate_fn: Optional[Callable], arena: _C.Arena) -> _WorkerCollate:
+    if collate_fn is default_collate:
+        collate_fn = None
+    return _WorkerCollate(collate_fn, arena.fd, arena.token)
+
+
+# ---- the main process side ----------------------------------------------------
+
+def _leaf_out(block, ref: _Ref):
+    if ref.numpy:
+        dtype = np.dtype(ref.dtype)
+        return block.numpy(ref.offset, ref.shape, [s * dtype.itemsize for s in ref.strides], dtype)
+    (code, bits, lanes), view_as = torch_carrier(ref.dtype)
+    out = torch.from_dlpack(block.dlpack(ref.offset, ref.shape, ref.strides, code, bits, lanes))
+    return out.view(view_as) if view_as is not None else out
+
+
+def receive(batch: Any, consumer_stream: Any = None) -> tuple:
+    """(batch with tensors over the adopted block, True), or (batch, False) for a
+    batch that came the ordinary way (a worker fell back)."""
+    if isinstance(batch, _Shipped):  # collated in this process (num_workers=0)
+        if batch.block is not None:
+            batch.block.detach()  # handed over to the adopting Block below
+        batch = _adopt(batch.token, batch.index, batch.nbytes, batch.tree)
+    if not isinstance(batch, _Adopted):
+        return batch, False
+    block = batch.block
+    if consumer_stream is not None:
+        block.consumer_stream = consumer_stream
+    return map_leaves(batch.tree, lambda x: isinstance(x, _Ref), lambda r: _leaf_out(block, r)), True

@@ -1,0 +1,183 @@
+"""Zero-copy mode on the CPU: DataLoader workers collate into the shared arena,
+the main process adopts the blocks without copying. The arena is shared even
+with no GPU, so everything but the DMA is tested here."""
+import gc
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+import fastpin
+from fastpin import _C
+
+MB = 1 << 20
+START_METHODS = ["fork", "spawn", "forkserver"]
+
+
+def expected(i):
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=g)
+
+
+class Images(Dataset):
+    def __init__(self, n=96, kill_at=None):
+        self.n, self.kill_at = n, kill_at
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.kill_at and get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"img": expected(i), "feat": torch.full((5,), i, dtype=torch.float64) + 0.5,
+                "label": i}
+
+
+class Stream(IterableDataset):
+    def __init__(self, n=50):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        workers, wid = (info.num_workers, info.id) if info else (1, 0)
+        for i in range(wid, self.n, workers):
+            yield {"img": expected(i), "feat": torch.full((5,), i, dtype=torch.float64) + 0.5,
+                   "label": i}
+
+
+def inside(t, arena):
+    return arena.base <= t.data_ptr() < arena.base + arena.capacity
+
+
+def check(batches, arena, n, in_arena=True):
+    seen = []
+    for b in batches:
+        for img, feat, i in zip(b["img"], b["feat"], b["label"].tolist()):
+            assert torch.equal(img, expected(i)), f"sample {i} differs"
+            assert torch.equal(feat, torch.full((5,), i, dtype=torch.float64) + 0.5)
+            seen.append(i)
+        if in_arena:
+            assert inside(b["img"], arena) and inside(b["label"], arena)
+    assert sorted(seen) == list(range(n))
+    return seen
+
+
+def blocks_settle(arena, timeout=10):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        gc.collect()
+        arena.collect()
+        if arena.stats()["blocks_in_use"] == 0:
+            return 0
+        time.sleep(0.05)
+    return arena.stats()["blocks_in_use"]
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_write_into_the_shared_arena(method, persistent):
+    dl = DataLoader(Images(), batch_size=10, num_workers=2, multiprocessing_context=method,
+                    persistent_workers=persistent)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=8 * MB)
+    arena = loader.arena
+    assert arena.fd >= 0
+    for _ in range(2):
+        batches = list(loader)
+        assert len(batches) == 10 and len(batches[-1]["label"]) == 6  # uneven last batch
+        assert check(batches, arena, 96) == list(range(96))
+        del batches
+    stats = loader.stats()
+    assert stats["worker_fallbacks"] == 0 and stats["fallbacks"] == 0
+    assert blocks_settle(arena) == 0
+
+
+def test_custom_collate_is_copied_in_the_worker():
+    def collate(samples):
+        return (torch.stack([s["img"] for s in samples]),
+                np.array([s["label"] for s in samples], dtype=np.int32))
+
+    dl = DataLoader(Images(40), batch_size=8, num_workers=2, collate_fn=collate)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=4 * MB)
+    for imgs, labels in loader:
+        assert isinstance(labels, np.ndarray) and labels.dtype == np.int32
+        for img, i in zip(imgs, labels.tolist()):
+            assert torch.equal(img, expected(i))
+        assert inside(imgs, loader.arena)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_out_of_order_and_iterable_datasets(in_order):
+    dl = DataLoader(Stream(), batch_size=7, num_workers=2, in_order=in_order)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=4 * MB)
+    check(list(loader), loader.arena, 50)
+
+
+def test_full_arena_falls_back_to_the_ordinary_path():
+    # Room for about one batch: workers find it full and collate the usual way.
+    dl = DataLoader(Images(), batch_size=16, num_workers=2, prefetch_factor=4)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=20_000, depth=4)
+    batches = list(loader)
+    check(batches, loader.arena, 96, in_arena=False)
+    stats = loader.stats()
+    assert stats["worker_fallbacks"] > 0 and stats["fallbacks"] == stats["worker_fallbacks"]
+
+
+def test_break_and_reiterate_leave_no_blocks():
+    dl = DataLoader(Images(), batch_size=8, num_workers=2)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=4 * MB)
+    for k, batch in enumerate(loader):
+        if k == 2:
+            break
+    del batch
+    check(list(loader), loader.arena, 96)
+    assert blocks_settle(loader.arena) == 0
+
+
+def test_killed_worker_raises_and_leaks_nothing():
+    dl = DataLoader(Images(kill_at=45), batch_size=5, num_workers=2)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=4 * MB)
+    arena = loader.arena
+    with pytest.raises(RuntimeError, match="worker"):
+        for batch in loader:
+            del batch  # hold nothing: what stays in use must be a leak
+    assert blocks_settle(arena) == 0
+    assert arena.is_valid()
+
+
+def test_several_loaders_in_one_process():
+    a = fastpin.Loader(DataLoader(Images(30), batch_size=6, num_workers=2), device=None,
+                       zero_copy=True, capacity=2 * MB)
+    b = fastpin.Loader(DataLoader(Images(40), batch_size=4, num_workers=2), device=None,
+                       zero_copy=True, capacity=2 * MB)
+    assert a.arena.token != b.arena.token
+    for _ in range(2):
+        check(list(a), a.arena, 30)
+        check(list(b), b.arena, 40)
+
+
+def test_no_workers_collates_in_the_main_process():
+    loader = fastpin.Loader(DataLoader(Images(20), batch_size=4), device=None, zero_copy=True,
+                            capacity=2 * MB)
+    check(list(loader), loader.arena, 20)
+    assert blocks_settle(loader.arena) == 0
+
+
+def test_zero_copy_needs_a_dataloader():
+    with pytest.raises(TypeError, match="DataLoader"):
+        fastpin.Loader([1, 2], device=None, zero_copy=True)
+
+
+def test_batches_outlive_the_loader():
+    loader = fastpin.Loader(DataLoader(Images(24), batch_size=6, num_workers=2), device=None,
+                            zero_copy=True, capacity=2 * MB)
+    arena = loader.arena
+    batches = list(loader)
+    del loader
+    gc.collect()
+    check(batches, arena, 24)
+    del batches
+    assert blocks_settle(arena) == 0
