@@ -4,12 +4,13 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from typing import Any, Optional
 
 import numpy as np
 
 from . import _C
-from ._arena import cuda_available, default_arena
+from ._arena import cuda_available, default_arena, policy
 from ._dtypes import torch_carrier
 from ._walk import map_leaves
 
@@ -96,7 +97,10 @@ def _tensor_out(block, offset, leaf: _Leaf, torch):
     t = leaf.obj
     (code, bits, lanes), view_as = torch_carrier(t.dtype)
     shape = tuple(t.shape)
-    strides = t.stride() if leaf.how == _COPY else _contiguous_strides(shape)
+    # Dense permuted layouts (channels_last) keep their strides; contiguous
+    # ones get canonical strides (size-1 dims may carry any stride in torch).
+    dense_permuted = leaf.how == _COPY and not t.is_contiguous()
+    strides = t.stride() if dense_permuted else _contiguous_strides(shape)
     out = torch.from_dlpack(block.dlpack(offset, shape, strides, code, bits, lanes))
     if view_as is not None:
         out = out.view(view_as)
@@ -127,8 +131,54 @@ def _torch_pin(t):
     return t.pin_memory()
 
 
+class _Fallback(Exception):
+    """The policy says: pin this batch the ordinary way."""
+
+
+_warned_too_big = False
+
+
+def _pin_with_policy(arena, sources, on_full: str):
+    """arena.pin(sources), or what the full-arena policy says instead."""
+    global _warned_too_big
+    total = sum((n + _C.GRANULE - 1) // _C.GRANULE * _C.GRANULE for _, n in sources)
+    if total > arena.capacity:
+        message = (f"a batch of {total} bytes cannot be pinned in an arena of "
+                   f"{arena.capacity} bytes: raise the cap with fastpin.configure(capacity=...) "
+                   "or FASTPIN_ARENA_BYTES")
+        if on_full != "fallback":
+            raise _C.ArenaFullError(message)
+        if not _warned_too_big:
+            _warned_too_big = True
+            log.warning("fastpin: %s; such batches are pinned the ordinary way", message)
+        raise _Fallback
+    deadline = None
+    delay = 0.0005
+    while True:
+        try:
+            return arena.pin(sources)
+        except _C.ArenaFullError as e:
+            if on_full == "fallback":
+                log.debug("fastpin: %s; pinning this batch the ordinary way", e)
+                raise _Fallback from None
+            if on_full == "raise":
+                raise
+            # "wait": until the consumer frees batches, within the timeout.
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + policy()["wait_timeout"]
+            if now >= deadline:
+                raise _C.ArenaFullError(
+                    f"{e}; waited {policy()['wait_timeout']:g} s for room "
+                    "(fastpin.configure(on_full=..., wait_timeout=...))") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            arena.collect()
+
+
 def pin_memory(data: Any, device: Optional[str] = None, *,
-               arena: Optional[_C.Arena] = None, stream: Any = None) -> Any:
+               arena: Optional[_C.Arena] = None, stream: Any = None,
+               on_full: Optional[str] = None) -> Any:
     """Return `data` with every tensor and NumPy array leaf copied into page-locked
     memory, in one block of fastpin's arena, by its copy threads with the GIL
     released. The structure comes back as it went in (see map_leaves); torch
@@ -141,7 +191,12 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     The block is reused only after its tensors are gone and the GPU work queued
     before that on the default stream has finished, so a non_blocking copy from
     it is safe on the default stream. Copies issued on another stream: name it
-    with `stream` (a torch.cuda.Stream or a raw handle)."""
+    with `stream` (a torch.cuda.Stream or a raw handle).
+
+    on_full overrides fastpin.configure(on_full=...) for this call: "fallback",
+    "wait" or "raise" (see configure)."""
+    if on_full is not None and on_full not in ("fallback", "wait", "raise"):
+        raise ValueError(f"on_full must be 'fallback', 'wait' or 'raise', not {on_full!r}")
     torch = sys.modules.get("torch")
     tensor_type = torch.Tensor if torch is not None else ()
 
@@ -165,21 +220,15 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     if pinned:
         arena = arena if arena is not None else default_arena()
         try:
-            block, offsets = arena.pin([(leaf.source, leaf.nbytes) for leaf in pinned])
-            if stream is not None:
-                block.consumer_stream = getattr(stream, "cuda_stream", stream)
-        except _C.ArenaFullError as e:
-            total = sum(leaf.nbytes for leaf in pinned)
-            if total > arena.capacity:
-                raise _C.ArenaFullError(
-                    f"{e}; a batch of {total} bytes cannot be pinned in an arena of "
-                    f"{arena.capacity} bytes: raise it with fastpin.configure(capacity=...) "
-                    "or the FASTPIN_ARENA_BYTES environment variable") from None
-            log.debug("fastpin: %s; pinning this batch the ordinary way", e)
+            block, offsets = _pin_with_policy(arena, [(leaf.source, leaf.nbytes) for leaf in pinned],
+                                              on_full or policy()["on_full"])
+        except _Fallback:
             for leaf in pinned:
                 leaf.how = _TORCH
             pinned = []
             _count(fallbacks=1)
+        if block is not None and stream is not None:
+            block.consumer_stream = getattr(stream, "cuda_stream", stream)
     results = iter(offsets)
 
     def build(x):

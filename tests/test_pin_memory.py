@@ -429,12 +429,49 @@ def test_too_big_for_arena_names_both_sizes(small_arena):
     batch = [patterned((25_600,), torch.int16, 1), patterned((12_800,), np.float32, 2)]
     total = 25_600 * 2 + 12_800 * 4
     assert total > capacity
-    with pytest.raises(fastpin.ArenaFullError) as info:
-        fastpin.pin_memory(batch, arena=small_arena)
-    message = str(info.value)
-    assert str(total) in message and str(capacity) in message
-    assert isinstance(info.value, MemoryError) and isinstance(info.value, fastpin.FastpinError)
+    for policy in ("raise", "wait"):
+        with pytest.raises(fastpin.ArenaFullError) as info:
+            fastpin.pin_memory(batch, arena=small_arena, on_full=policy)
+        message = str(info.value)
+        assert str(total) in message and str(capacity) in message
+        assert isinstance(info.value, MemoryError) and isinstance(info.value, fastpin.FastpinError)
     assert small_arena.stats()["bytes_in_use"] == 0
+
+
+def test_too_big_for_arena_falls_back_by_default(small_arena, caplog):
+    batch = [patterned((25_600,), torch.int16, 7), patterned((12_800,), np.float32, 8)]
+    before = fastpin.stats()["fallbacks"]
+    out = fastpin.pin_memory(batch, arena=small_arena)
+    assert fastpin.stats()["fallbacks"] == before + 1
+    assert_same(out[0], batch[0])
+    assert_same(out[1], batch[1])
+    assert not in_arena(out[0], small_arena)
+
+
+def test_wait_policy_waits_for_room_then_times_out(small_arena):
+    import threading
+
+    hold = [small_arena.alloc(48 << 10)]
+    batch = [patterned((6000,), torch.int32, 9)]            # 24 KiB: needs the held room
+    fastpin.configure(wait_timeout=5)
+    # Room appears while pin_memory waits: it gets it and pins into the arena.
+    threading.Timer(0.2, hold.clear).start()
+    out = fastpin.pin_memory(batch, arena=small_arena, on_full="wait")
+    assert in_arena(out[0], small_arena)
+    assert_same(out[0], batch[0])
+    # No room ever: the timeout ends the wait with a clear error.
+    fastpin.configure(wait_timeout=0.2)
+    try:
+        held = small_arena.alloc(40 << 10)
+        with pytest.raises(fastpin.ArenaFullError, match="waited 0.2 s"):
+            fastpin.pin_memory(batch, arena=small_arena, on_full="wait")
+        del held
+    finally:
+        fastpin.configure(wait_timeout=10)
+    with pytest.raises(fastpin.ArenaFullError):
+        small_arena.alloc(1 << 20)
+    with pytest.raises(ValueError, match="on_full"):
+        fastpin.pin_memory(batch, arena=small_arena, on_full="sometimes")
 
 
 def test_full_arena_falls_back(small_arena):
