@@ -200,3 +200,59 @@ def test_loader_with_dataloader_workers():
             assert x.is_cuda and torch.equal(x.cpu(), data[y.cpu()])
             seen += len(y)
         assert seen == 512
+
+
+# ---- zero-copy mode on the GPU ----------------------------------------------
+
+class _ZCImages(torch.utils.data.Dataset):
+    def __len__(self):
+        return 160
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {"img": torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=g),
+                "x": torch.randn(17, generator=g), "label": i}
+
+
+def _zc_expected(i):
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=g), torch.randn(17, generator=g)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_zero_copy_to_device_exact(method):
+    from torch.utils.data import DataLoader
+
+    dl = DataLoader(_ZCImages(), batch_size=16, num_workers=2, multiprocessing_context=method)
+    loader = fastpin.Loader(dl, device="cuda", zero_copy=True, capacity=64 * MB)
+    assert loader.arena.registered
+    for _ in range(2):
+        seen = []
+        for batch in loader:
+            torch.cuda._sleep(sleep_cycles(0.3))
+            assert batch["img"].is_cuda and batch["x"].is_cuda
+            for img, x, i in zip(batch["img"].cpu(), batch["x"].cpu(), batch["label"].cpu().tolist()):
+                ref_img, ref_x = _zc_expected(i)
+                assert torch.equal(img, ref_img) and torch.equal(x, ref_x)
+                seen.append(i)
+            del batch
+        assert seen == list(range(160))
+    assert loader.stats()["worker_fallbacks"] == 0
+
+
+def test_zero_copy_host_batches_are_pinned_and_in_the_arena():
+    from torch.utils.data import DataLoader
+
+    dl = DataLoader(_ZCImages(), batch_size=16, num_workers=2)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=64 * MB)
+    arena = loader.arena
+    for batch in loader:
+        img = batch["img"]
+        assert img.is_pinned()
+        assert arena.base <= img.data_ptr() < arena.base + arena.capacity
+        torch.cuda._sleep(sleep_cycles(0.2))
+        on_gpu = img.to("cuda", non_blocking=True)
+        labels = batch["label"].tolist()
+        del batch, img
+        for row, i in zip(on_gpu.cpu(), labels):
+            assert torch.equal(row, _zc_expected(i)[0])
