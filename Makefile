@@ -15,7 +15,7 @@ $(VENV)/.deps: requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
-$(VENV)/.installed: $(VENV)/.deps setup.py pyproject.toml $(wildcard csrc/*.c csrc/*.h fastpin/*.py fastpin/*.pyi)
+$(VENV)/.installed: $(VENV)/.deps setup.py pyproject.toml $(wildcard csrc/*.c csrc/*.h fastpin/*.py fastpin/*.pyi fastpin/py.typed)
 	$(PY) -m pip install -q --no-build-isolation .
 	touch $@
 

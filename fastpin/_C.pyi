@@ -1,0 +1,163 @@
+# Type stubs of fastpin._C, the C extension (csrc/module.c). Keep in step with
+# the bindings: tests/test_ecosystem.py checks that every public name of the
+# built module is declared here, and type-checks a usage snippet with mypy.
+from collections.abc import Sequence
+from typing import Any, Literal, TypedDict, final
+
+import numpy as np
+from numpy.typing import DTypeLike
+from _typeshed import FileDescriptorLike
+from typing_extensions import Self
+
+GRANULE: int
+
+class FastpinError(RuntimeError):
+    """A failure inside fastpin's core."""
+
+class CudaError(FastpinError):
+    """A CUDA driver call failed; the message is the driver's."""
+
+class ArenaFullError(FastpinError, MemoryError):
+    """The arena has no room for a request, or the request exceeds its cap."""
+
+class _ArenaStats(TypedDict):
+    capacity: int
+    bytes_in_use: int
+    bytes_requested: int
+    high_water: int
+    bytes_pending: int
+    allocs: int
+    failed: int
+    waits: int
+    blocks_in_use: int
+    blocks_pending: int
+    max_blocks: int
+    fallbacks: int          # batches workers could not place (count_fallback)
+    lock_recoveries: int
+    reclaimed: int          # blocks freed by reclaim()
+    blocks_foreign: int     # blocks held by other processes
+    registered: bool
+    shared: bool
+    numa_node: int          # node the pages prefer (mbind took), or -1
+    class_blocks: dict[int, int]
+
+class _CudaStatus(TypedDict):
+    state: Literal["ready", "no_device", "no_driver"]
+    reason: str
+    driver_version: int
+    device_count: int
+
+@final
+class Block:
+    """One block of an Arena. Freed (after the GPU is done with it) when the
+    Block and every tensor or array made from it are gone. Made by Arena only."""
+
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def index(self) -> int:
+        """The block's number in its arena (what a worker ships to the main process)."""
+    consumer_stream: int | None
+    def dlpack(
+        self,
+        offset: int,
+        shape: Sequence[int],
+        strides: Sequence[int],
+        code: int,
+        bits: int,
+        lanes: int = 1,
+        version: int = -1,
+        readonly: bool = False,
+    ) -> Any:
+        """A DLPack capsule over part of the block (strides in elements)."""
+    def numpy(
+        self, offset: int, shape: Sequence[int], strides: Sequence[int], dtype: DTypeLike, /
+    ) -> np.ndarray[Any, np.dtype[Any]]:
+        """An ndarray over part of the block (strides in bytes)."""
+    def detach(self) -> None:
+        """Give the block up for another process to adopt: dropping this Block
+        no longer frees it."""
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+
+@final
+class Arena:
+    """One region of host memory, page-locked with CUDA once when a GPU is present."""
+
+    def __new__(
+        cls,
+        capacity: int,
+        *,
+        shared: bool = False,
+        device: int = 0,
+        cuda: bool = True,
+        max_blocks: int = 0,
+        numa_node: int = -1,
+    ) -> Self: ...
+    @classmethod
+    def attach(cls, fd: FileDescriptorLike, /) -> Self:
+        """Map the shared arena behind memfd `fd`, made in another process; never
+        registered with CUDA. The Arena keeps its own copy of the fd."""
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def registered(self) -> bool: ...
+    @property
+    def base(self) -> int: ...
+    @property
+    def fd(self) -> int: ...
+    @property
+    def token(self) -> int:
+        """Identifies the arena across processes."""
+    @property
+    def attached(self) -> bool:
+        """Made by Arena.attach (not the creator)."""
+    @property
+    def device(self) -> int:
+        """The CUDA ordinal whose primary context holds the registration, -1 if none."""
+    def alloc(self, nbytes: int, /) -> Block: ...
+    def pin(
+        self, sources: Sequence[tuple[int, int]], align: int = ..., /
+    ) -> tuple[Block, tuple[int, ...]]:
+        """Copy every (address, nbytes) source into one new block at align-aligned
+        offsets (address 0 only reserves room); returns the block and the offsets."""
+    def adopt(self, index: int, nbytes: int, /) -> Block:
+        """In the creator: take over a block that a worker filled and detached."""
+    def reclaim(self) -> int:
+        """Free the blocks held by processes that no longer exist; returns how many."""
+    def owner(self, index: int, /) -> int:
+        """The pid that allocated an allocated block, 0 once adopted."""
+    def count_fallback(self) -> None:
+        """Count a batch that went the ordinary way because the arena was full."""
+    def stats(self) -> _ArenaStats: ...
+    def collect(self) -> None: ...
+    def is_valid(self) -> bool: ...
+
+def h2d(
+    arena: Arena,
+    stream: int,
+    items: Sequence[tuple[int, int, int, bool]],
+    chunk: int = ...,
+    /,
+) -> None:
+    """Queue host-to-device copies (dst, src, nbytes, src is pinned) on a CUDA
+    stream (a raw handle), staging pageable sources through the arena."""
+
+def cuda_status() -> _CudaStatus: ...
+def set_threads(n: int, /) -> None: ...
+def get_threads() -> int: ...
+def set_affinity(cpus: Sequence[int] | None, /) -> None:
+    """Pin the copy pool's threads to these CPUs (None: undo), now and for later pools."""
+def pci_bus_id(device: int, /) -> str:
+    """The PCI address of a CUDA device, from the driver."""
+def cpu_count() -> int: ...
+def copy(dst: int, src: int, nbytes: int, /) -> None: ...
