@@ -43,6 +43,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -116,6 +117,7 @@ struct fp_arena_s {
     int device;            /* GPU whose context records events; constant */
     int registered;        /* the creator page-locked it with CUDA; constant */
     int attached;          /* mapped by fp_arena_attach; constant */
+    int numa_node;         /* node mbind made the mapping prefer, or -1; constant */
     pid_t pid;             /* process that created or attached this struct: a
                               forked child holding a copy is not it; constant */
     fp_arena_meta_t *meta; /* start of the mapping */
@@ -129,6 +131,7 @@ struct fp_arena_s {
  * time, to check that the next locker repairs every state it can leave. */
 #ifdef FP_TEST
 int fp_test_crash_at;
+int (*fp_test_event_done)(fp_arena_t *arena, uint32_t block);
 #define FP_CRASH_POINT()                                        \
     do {                                                        \
         if (fp_test_crash_at && --fp_test_crash_at == 0)        \
@@ -278,7 +281,9 @@ static uint32_t fp_block_take(fp_arena_meta_t *m, uint64_t rounded, uint64_t siz
                               pid_t owner)
 {
     uint32_t b = fp_list_find(m, rounded);
-    if (b == FP_NIL)
+    /* Only a request clamped to the cap is not a class size: the head of its
+     * class's list may then be smaller than it. */
+    if (b == FP_NIL || m->blocks[b].size < rounded)
         return FP_NIL;
     fp_list_remove(m, b);
     FP_CRASH_POINT();
@@ -435,6 +440,11 @@ static int fp_event_done(fp_arena_t *a, uint32_t b, int home)
         return 1;
     if (!home)
         return 0;
+#ifdef FP_TEST
+    /* Fake events (the fuzzer's): the test decides when the "GPU" is done. */
+    if (!a->registered && fp_test_event_done)
+        return fp_test_event_done(a, b);
+#endif
     /* Armed without CUDA happens only through the test hook: nothing waits. */
     if (!a->registered)
         return 1;
@@ -613,6 +623,28 @@ static int fp_arena_map(fp_arena_t *a, uint64_t map_size)
     return FP_OK;
 }
 
+/* The kernel's MPOL_PREFERRED (linux/mempolicy.h), spelled out so the build
+ * needs no kernel headers. */
+#define FP_MPOL_PREFERRED 1
+
+/* Makes the pages of the fresh mapping prefer `node`, before anything touches
+ * them: cuMemHostRegister populates them all, the copy threads fault in the
+ * rest. Preferred, not bound: a node short of memory spills to another rather
+ * than failing registration or waking the OOM killer. Failure leaves the
+ * default policy and numa_node -1; the arena works as before. */
+static void fp_arena_bind(fp_arena_t *a, int node, uint64_t map_size)
+{
+    if (node < 0 || node >= FP_NUMA_MAX_NODES)
+        return;
+    enum { BITS = 8 * sizeof(unsigned long) };
+    unsigned long mask[FP_NUMA_MAX_NODES / BITS] = {0};
+    mask[node / BITS] = 1ul << (node % BITS);
+    /* maxnode is one more than the bits the kernel reads (it drops one). */
+    if (syscall(SYS_mbind, (void *)a->meta, (unsigned long)map_size, FP_MPOL_PREFERRED, mask,
+                (unsigned long)FP_NUMA_MAX_NODES + 1, 0u) == 0)
+        a->numa_node = node;
+}
+
 /* A token no other live arena has: from the kernel, or, should it refuse,
  * mixed from the clock, the pid and an address. */
 static uint64_t fp_arena_new_token(const void *salt)
@@ -697,6 +729,12 @@ fail:
 int fp_arena_create(fp_arena_t **out, uint64_t capacity, uint32_t max_blocks,
                     int flags, int device)
 {
+    return fp_arena_create_numa(out, capacity, max_blocks, flags, device, -1);
+}
+
+int fp_arena_create_numa(fp_arena_t **out, uint64_t capacity, uint32_t max_blocks,
+                         int flags, int device, int numa_node)
+{
     *out = NULL;
     if (capacity == 0 || capacity > FP_MAX_CAPACITY)
         return fp_error_set(FP_EINVAL, "arena capacity must be between 1 byte and %llu bytes, not %llu",
@@ -723,10 +761,12 @@ int fp_arena_create(fp_arena_t **out, uint64_t capacity, uint32_t max_blocks,
     a->flags = flags;
     a->fd = -1;
     a->device = -1;
+    a->numa_node = -1;
     a->pid = getpid();
     int status = fp_arena_map(a, map_size);
     if (status)
         goto fail;
+    fp_arena_bind(a, numa_node, map_size); /* before init_meta touches a page */
     a->data = (char *)a->meta + data_offset;
     status = fp_arena_init_meta(a, capacity, max_blocks, data_offset, map_size);
     if (status)
@@ -789,6 +829,7 @@ int fp_arena_attach(fp_arena_t **out, int fd)
     a->flags = FP_ARENA_SHARED | FP_ARENA_NO_CUDA;
     a->fd = -1;
     a->device = -1;
+    a->numa_node = -1;
     a->attached = 1;
     a->pid = getpid();
     int status = FP_OK;
@@ -878,7 +919,11 @@ int fp_arena_alloc(fp_arena_t *a, uint64_t size, uint32_t *block, void **ptr)
 {
     fp_arena_meta_t *m = a->meta;
     uint64_t rounded = size > m->capacity ? 0 : fp_arena_round(size);
-    if (!rounded || rounded > m->capacity) {
+    /* A request that fits the cap but rounds past it (the cap is not a class
+     * size) takes the whole arena, when it is all free. */
+    if (rounded > m->capacity)
+        rounded = m->capacity;
+    if (!rounded) {
         fp_arena_lock(a);
         m->failed++;
         fp_arena_unlock(a);
@@ -1093,6 +1138,7 @@ void fp_arena_stats(fp_arena_t *a, fp_arena_stats_t *s)
     s->fallbacks = fp_atomic_load_relaxed(&m->fallbacks);
     s->registered = fp_arena_registered(a);
     s->shared = !!(a->flags & FP_ARENA_SHARED);
+    s->numa_node = a->numa_node;
 }
 
 uint64_t fp_arena_capacity(const fp_arena_t *a) { return a->meta->capacity; }
@@ -1102,6 +1148,8 @@ fp_cu_context_t fp_arena_context(const fp_arena_t *a) { return fp_arena_cuda(a) 
 int fp_arena_fd(const fp_arena_t *a) { return a->fd; }
 uint64_t fp_arena_token(const fp_arena_t *a) { return a->meta->token; }
 int fp_arena_attached(const fp_arena_t *a) { return a->attached; }
+int fp_arena_numa_node(const fp_arena_t *a) { return a->numa_node; }
+int fp_arena_device(const fp_arena_t *a) { return fp_arena_cuda(a) ? a->device : -1; }
 
 /* ---- invariants -------------------------------------------------------- */
 
@@ -1324,4 +1372,16 @@ void fp_lease_decref(fp_lease_t *lease)
 void fp_arena_test_lock(fp_arena_t *a) { fp_arena_lock(a); }
 
 void fp_arena_test_free_armed(fp_arena_t *a, uint32_t b) { fp_return_push(a->meta, b, 1); }
+
+uint64_t fp_arena_test_block_size(fp_arena_t *a, uint32_t b)
+{
+    fp_arena_meta_t *m = a->meta;
+    if (b >= m->max_blocks)
+        return 0;
+    fp_arena_lock(a);
+    uint32_t state = m->blocks[b].state;
+    uint64_t size = state == FP_BLOCK_USED || state == FP_BLOCK_PENDING ? m->blocks[b].size : 0;
+    fp_arena_unlock(a);
+    return size;
+}
 #endif

@@ -17,7 +17,7 @@ KiB, MiB = 1 << 10, 1 << 20
 STATS_KEYS = {"capacity", "bytes_in_use", "bytes_requested", "high_water", "bytes_pending",
               "allocs", "failed", "waits", "blocks_in_use", "blocks_pending", "max_blocks",
               "registered", "class_blocks", "fallbacks", "lock_recoveries", "blocks_foreign",
-              "reclaimed", "shared"}
+              "reclaimed", "shared", "numa_node"}
 
 
 def block_size(arena, nbytes):
@@ -293,4 +293,17 @@ def test_configure_makes_a_new_default_arena():
             fastpin.configure(capacity=0)
     finally:
         fastpin.configure(capacity=old_capacity)
-        _arena._arena = old       # give the rest of the suite its arena back
+        _arena._arenas[_arena.device_index()] = old   # give the rest of the suite its arena back
+
+
+def test_request_that_rounds_past_a_non_class_cap_regression():
+    """A cap that is no class size (66304 = 259 granules) once refused a request
+    of the whole cap as 'more than the cap' (found by the fuzzer)."""
+    arena = _C.Arena(66304, cuda=False)
+    block = arena.alloc(66304)
+    assert block.nbytes == 66304
+    with pytest.raises(fastpin.ArenaFullError, match="full"):
+        arena.alloc(65000)
+    del block
+    assert arena.alloc(65000).nbytes == 65000
+    assert arena.is_valid()
