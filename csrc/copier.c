@@ -334,6 +334,71 @@ int fp_copier_threads(const fp_copier_t *copier)
     return copier->threads;
 }
 
+/* The calling thread's affinity into a set of `ncpu` CPUs (grown past 1024
+ * as fp_cpu_count does); returns the set or NULL with the error set. */
+static cpu_set_t *fp_affinity_of_caller(size_t *ncpu)
+{
+    for (*ncpu = CPU_SETSIZE; *ncpu <= (size_t)FP_COPIER_MAX_CPU; *ncpu *= 2) {
+        cpu_set_t *set = CPU_ALLOC(*ncpu);
+        if (set == NULL)
+            break;
+        CPU_ZERO_S(CPU_ALLOC_SIZE(*ncpu), set);
+        if (sched_getaffinity(0, CPU_ALLOC_SIZE(*ncpu), set) == 0)
+            return set;
+        int err = errno;
+        CPU_FREE(set);
+        if (err != EINVAL) {
+            fp_error_set(FP_EOS, "copier: sched_getaffinity: %s", strerror(err));
+            return NULL;
+        }
+    }
+    fp_error_set(FP_EOS, "copier: cannot read this thread's CPU affinity");
+    return NULL;
+}
+
+int fp_copier_set_affinity(fp_copier_t *copier, const int *cpus, size_t count)
+{
+    if (copier == NULL || (cpus == NULL && count > 0))
+        return fp_error_set(FP_EINVAL, "copier affinity: NULL argument");
+    if (getpid() != copier->pid)
+        return fp_error_set(FP_EINVAL, "copier belongs to process %d; this is process %d",
+                            (int)copier->pid, (int)getpid());
+    size_t ncpu = CPU_SETSIZE;
+    cpu_set_t *set;
+    if (count == 0) {
+        set = fp_affinity_of_caller(&ncpu);
+        if (set == NULL)
+            return FP_EOS;
+    } else {
+        for (size_t i = 0; i < count; i++) {
+            if (cpus[i] < 0 || cpus[i] >= FP_COPIER_MAX_CPU)
+                return fp_error_set(FP_EINVAL, "copier affinity: no CPU %d (0 to %d)",
+                                    cpus[i], FP_COPIER_MAX_CPU - 1);
+            if ((size_t)cpus[i] >= ncpu)
+                ncpu = (size_t)cpus[i] + 1;
+        }
+        set = CPU_ALLOC(ncpu);
+        if (set == NULL)
+            return fp_error_set(FP_EOS, "copier: out of memory");
+        CPU_ZERO_S(CPU_ALLOC_SIZE(ncpu), set);
+        for (size_t i = 0; i < count; i++)
+            CPU_SET_S((size_t)cpus[i], CPU_ALLOC_SIZE(ncpu), set);
+    }
+    /* The worker handles are fixed once create returned; the threads may be
+     * copying meanwhile: the kernel moves them at their next schedule. */
+    int status = FP_OK;
+    for (int i = 0; i < copier->nworkers && status == FP_OK; i++) {
+        int rc = pthread_setaffinity_np(copier->workers[i], CPU_ALLOC_SIZE(ncpu), set);
+        if (rc == EINVAL)
+            status = fp_error_set(FP_EINVAL, "copier affinity: none of the %zu CPUs listed "
+                                             "may be used by this process", count);
+        else if (rc != 0)
+            status = fp_error_set(FP_EOS, "copier affinity: %s", strerror(rc));
+    }
+    CPU_FREE(set);
+    return status;
+}
+
 int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count)
 {
     if (copier == NULL || (copies == NULL && count > 0))

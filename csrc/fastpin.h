@@ -20,6 +20,11 @@
  *                the block was detached for another process to adopt.
  *   fp_copier_t  a pool of pthreads that does large memcpy in chunks (copier.c)
  *
+ * NUMA: an arena may be created with a node, whose memory it prefers
+ * (mbind before any page is touched), and the pool's threads may be pinned
+ * to a list of CPUs. Which node and which CPUs (those of the GPU's PCI
+ * device) is found in Python (fastpin/_numa.py); the core only applies it.
+ *
  * Everything here is plain C: only module.c and dlpack.c include Python.h.
  * Functions return an int status (FP_OK on success) and leave a message in
  * a thread-local buffer (fp_error_message()); module.c turns it into an
@@ -86,6 +91,8 @@ enum {
       (fp_cu_result_t error, const char **str))                               \
     X(cuDeviceGetCount, "cuDeviceGetCount", (int *count))                     \
     X(cuDeviceGet, "cuDeviceGet", (fp_cu_device_t * device, int ordinal))     \
+    X(cuDeviceGetPCIBusId, "cuDeviceGetPCIBusId",                             \
+      (char *bus_id, int len, fp_cu_device_t dev))                            \
     X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain",                   \
       (fp_cu_context_t * ctx, fp_cu_device_t dev))                            \
     X(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2",              \
@@ -216,6 +223,7 @@ typedef struct fp_arena_stats_s {
     uint32_t max_blocks;      /* descriptor table size */
     int registered;           /* 1 when page-locked with CUDA, in this process */
     int shared;               /* 1 for a memfd arena */
+    int numa_node;            /* node the memory prefers (mbind succeeded), or -1 */
     uint32_t class_blocks[FP_CLASS_COUNT]; /* blocks in use per size class */
 } fp_arena_stats_t;
 
@@ -226,6 +234,14 @@ typedef struct fp_arena_stats_s {
  * caller owns one reference. */
 int fp_arena_create(fp_arena_t **out, uint64_t capacity, uint32_t max_blocks,
                     int flags, int device);
+/* fp_arena_create, with the mapping's pages preferring NUMA node `numa_node`
+ * (MPOL_PREFERRED, set before any page is touched); -1 leaves the kernel's
+ * default policy. The kernel refusing (EPERM under seccomp, ENOSYS, EINVAL
+ * for a node it does not have) is not an error: the arena is made anyway and
+ * its stats say numa_node -1. */
+#define FP_NUMA_MAX_NODES 1024 /* nodes an mbind mask can name */
+int fp_arena_create_numa(fp_arena_t **out, uint64_t capacity, uint32_t max_blocks,
+                         int flags, int device, int numa_node);
 /* Maps the shared arena behind memfd `fd` (made by fp_arena_create with
  * FP_ARENA_SHARED, in any process) at an address of this process's choosing,
  * after checking its header. The mapping is never registered with CUDA and
@@ -279,6 +295,12 @@ int fp_arena_fd(const fp_arena_t *arena);     /* memfd, or -1 if private */
  * tells which arena a block index sent by a worker belongs to. */
 uint64_t fp_arena_token(const fp_arena_t *arena);
 int fp_arena_attached(const fp_arena_t *arena); /* made by fp_arena_attach */
+/* The node fp_arena_create_numa bound the mapping to, or -1 (none asked, the
+ * kernel refused, or attached: the creator's policy holds for the pages). */
+int fp_arena_numa_node(const fp_arena_t *arena);
+/* The CUDA ordinal whose primary context the arena is registered in and
+ * records its events in, or -1 when not registered (in this process). */
+int fp_arena_device(const fp_arena_t *arena);
 
 /* Size-class arithmetic, exposed for tests: the size a request is rounded
  * to, and the class index (0 .. FP_CLASS_COUNT-1) of a block size. */
@@ -325,6 +347,14 @@ void fp_lease_decref(fp_lease_t *lease); /* any thread, any time */
 void fp_arena_test_lock(fp_arena_t *arena); /* takes the lock, never gives it back */
 /* Frees `block` as if an event had been recorded on it. */
 void fp_arena_test_free_armed(fp_arena_t *arena, uint32_t block);
+/* Fake events, for machines without a GPU: when set, the creator of an
+ * unregistered arena asks it, where it would query CUDA, whether the event of
+ * an armed pending block has completed (non-zero: done); unset, such blocks
+ * are done at once. Called under the arena's lock: it must not call back. */
+extern int (*fp_test_event_done)(fp_arena_t *arena, uint32_t block);
+/* The size of allocated or pending `block` (0 for a free or spare one): what
+ * a request was rounded to, or more when no descriptor was left to split. */
+uint64_t fp_arena_test_block_size(fp_arena_t *arena, uint32_t block);
 /* When non-zero, counts down at each crash point of the arena's critical
  * sections; the process SIGKILLs itself where it reaches zero. */
 extern int fp_test_crash_at;
@@ -350,6 +380,13 @@ int fp_copier_create(fp_copier_t **out, int threads);
 /* Stops and joins the threads. Not to be called while a run is in flight. */
 void fp_copier_destroy(fp_copier_t *copier);
 int fp_copier_threads(const fp_copier_t *copier);
+/* Pins the pool's threads (not callers, who copy their own share) to the
+ * `count` CPUs listed; count 0 gives them the calling thread's affinity back.
+ * FP_EINVAL for a CPU number out of range, or when the kernel accepts none of
+ * them (all outside this process's cpuset); the threads then keep their old
+ * affinity. In a forked child (no threads): FP_EINVAL. */
+#define FP_COPIER_MAX_CPU (1 << 20) /* CPU numbers are below this */
+int fp_copier_set_affinity(fp_copier_t *copier, const int *cpus, size_t count);
 /* Copies every entry, splitting large ones into chunks shared among the
  * pool's threads and the caller; returns when all bytes are copied. Safe to
  * call from many threads at once. Never call with the GIL held. */

@@ -26,6 +26,9 @@ typedef struct {
     int threads;              /* wanted pool size, 0 = default; under the GIL */
     int resize;               /* threads changed since the pool was made */
     int busy;                 /* runs using the pool with the GIL released */
+    int *cpus;                /* CPUs the pool's threads are pinned to (PyMem), or
+                                 NULL; under the GIL */
+    size_t ncpus;             /* entries in cpus */
 } fp_state;
 
 typedef struct {
@@ -94,6 +97,10 @@ static fp_copier_t *fp_get_copier(fp_state *st)
         }
         st->copier_pid = getpid();
         st->resize = 0;
+        /* set_affinity checked the list against this process's CPUs; should
+         * a new pool's threads be refused them now, they run unpinned. */
+        if (st->ncpus)
+            (void)fp_copier_set_affinity(st->copier, st->cpus, st->ncpus);
     }
     return st->copier;
 }
@@ -387,12 +394,13 @@ static PyType_Spec Block_spec = {
 
 static PyObject *Arena_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"capacity", "shared", "device", "cuda", "max_blocks", NULL};
+    static char *kwlist[] = {"capacity", "shared", "device", "cuda", "max_blocks", "numa_node",
+                             NULL};
     unsigned long long capacity;
-    int shared = 0, device = 0, cuda = 1;
+    int shared = 0, device = 0, cuda = 1, numa_node = -1;
     unsigned int max_blocks = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "K|$pipI:Arena", kwlist, &capacity,
-                                     &shared, &device, &cuda, &max_blocks))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "K|$pipIi:Arena", kwlist, &capacity,
+                                     &shared, &device, &cuda, &max_blocks, &numa_node))
         return NULL;
     ArenaObject *self = (ArenaObject *)type->tp_alloc(type, 0);
     if (!self)
@@ -401,7 +409,7 @@ static PyObject *Arena_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     int status;
     /* Registration page-locks the whole region: seconds for many GiB. */
     Py_BEGIN_ALLOW_THREADS
-    status = fp_arena_create(&self->arena, capacity, max_blocks, flags, device);
+    status = fp_arena_create_numa(&self->arena, capacity, max_blocks, flags, device, numa_node);
     Py_END_ALLOW_THREADS
     if (status) {
         Py_DECREF(self);
@@ -628,14 +636,14 @@ static PyObject *Arena_stats(ArenaObject *self, PyObject *Py_UNUSED(ignored))
         }
     }
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsIsIsIsIsOsOsN}", "capacity", s.capacity, "bytes_in_use",
+        "{sKsKsKsKsKsKsKsKsKsKsKsIsIsIsIsOsOsisN}", "capacity", s.capacity, "bytes_in_use",
         s.bytes_in_use, "bytes_requested", s.bytes_requested, "high_water", s.high_water,
         "bytes_pending", s.bytes_pending, "allocs", s.allocs, "failed", s.failed, "waits", s.waits,
         "fallbacks", s.fallbacks, "lock_recoveries", s.lock_recoveries, "reclaimed", s.reclaimed,
         "blocks_in_use", s.blocks_in_use, "blocks_pending", s.blocks_pending, "blocks_foreign",
         s.blocks_foreign, "max_blocks", s.max_blocks, "registered",
         s.registered ? Py_True : Py_False, "shared", s.shared ? Py_True : Py_False,
-        "class_blocks", classes);
+        "numa_node", s.numa_node, "class_blocks", classes);
 }
 
 static PyObject *Arena_collect(ArenaObject *self, PyObject *Py_UNUSED(ignored))
@@ -682,6 +690,11 @@ static PyObject *Arena_get_token(ArenaObject *self, void *Py_UNUSED(c))
     return PyLong_FromUnsignedLongLong(fp_arena_token(self->arena));
 }
 
+static PyObject *Arena_get_device(ArenaObject *self, void *Py_UNUSED(c))
+{
+    return PyLong_FromLong(fp_arena_device(self->arena));
+}
+
 static PyObject *Arena_get_attached(ArenaObject *self, void *Py_UNUSED(c))
 {
     return PyBool_FromLong(fp_arena_attached(self->arena));
@@ -724,6 +737,8 @@ static PyGetSetDef Arena_getset[] = {
     {"token", (getter)Arena_get_token, NULL,
      "random 64-bit name of the arena, the same in every process that maps it", NULL},
     {"attached", (getter)Arena_get_attached, NULL, "made by Arena.attach", NULL},
+    {"device", (getter)Arena_get_device, NULL,
+     "CUDA ordinal whose primary context the arena is registered in, -1 if none", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -739,8 +754,10 @@ static PyType_Slot Arena_slots[] = {
     {Py_tp_dealloc, Arena_dealloc},
     {Py_tp_methods, Arena_methods},
     {Py_tp_getset, Arena_getset},
-    {Py_tp_doc, "Arena(capacity, *, shared=False, device=0, cuda=True, max_blocks=0)\n"
+    {Py_tp_doc, "Arena(capacity, *, shared=False, device=0, cuda=True, max_blocks=0, numa_node=-1)\n"
                 "One region of host memory, page-locked with CUDA once when a GPU is present.\n"
+                "numa_node >= 0: its pages prefer that NUMA node (stats()['numa_node'] says\n"
+                "whether the kernel agreed).\n"
                 "A shared arena (a memfd) is also mapped by other processes: Arena.attach(fd)."},
     {0, NULL},
 };
@@ -778,6 +795,86 @@ static PyObject *fp_set_threads(PyObject *module, PyObject *arg)
     st->threads = (int)n;
     st->resize = 1;
     Py_RETURN_NONE;
+}
+
+/* set_affinity(cpus): pin the copy pool's threads to these CPUs (a sequence of
+ * ints; None or empty: give them the caller's affinity back). Applies to the
+ * running pool at once and to every pool made later in this process. */
+static PyObject *fp_set_affinity(PyObject *module, PyObject *arg)
+{
+    fp_state *st = PyModule_GetState(module);
+    int *cpus = NULL;
+    Py_ssize_t n = 0;
+    if (arg != Py_None) {
+        PyObject *fast = PySequence_Fast(arg, "set_affinity() takes a sequence of CPU numbers");
+        if (!fast)
+            return NULL;
+        n = PySequence_Fast_GET_SIZE(fast);
+        cpus = PyMem_Calloc((size_t)n + 1, sizeof *cpus);
+        if (!cpus) {
+            Py_DECREF(fast);
+            return PyErr_NoMemory();
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long c = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+            if ((c == -1 && PyErr_Occurred()) || c < 0 || c >= FP_COPIER_MAX_CPU) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_ValueError, "no CPU %ld (0 to %d)", c,
+                                 FP_COPIER_MAX_CPU - 1);
+                Py_DECREF(fast);
+                PyMem_Free(cpus);
+                return NULL;
+            }
+            cpus[i] = (int)c;
+        }
+        Py_DECREF(fast);
+    }
+    fp_copier_t *copier = fp_get_copier(st);
+    if (!copier) {
+        PyMem_Free(cpus);
+        return NULL;
+    }
+    int status = fp_copier_set_affinity(copier, cpus, (size_t)n);
+    if (status) {
+        PyMem_Free(cpus);
+        return fp_raise(st, status);
+    }
+    PyMem_Free(st->cpus);
+    st->cpus = n ? cpus : NULL;
+    st->ncpus = (size_t)n;
+    if (!n)
+        PyMem_Free(cpus);
+    Py_RETURN_NONE;
+}
+
+/* pci_bus_id(device) -> "dddd:bb:dd.f", the PCI address of a CUDA device, as
+ * the driver says it (no context is made). */
+static PyObject *fp_pci_bus_id(PyObject *module, PyObject *arg)
+{
+    fp_state *st = PyModule_GetState(module);
+    long ordinal = PyLong_AsLong(arg);
+    if (ordinal == -1 && PyErr_Occurred())
+        return NULL;
+    char bus_id[64] = {0};
+    int status = FP_OK;
+    Py_BEGIN_ALLOW_THREADS
+    if (fp_cuda_load() != FP_CUDA_READY)
+        status = fp_error_set(FP_ECUDA, "%s", fp_cuda.reason);
+    else if (ordinal < 0 || ordinal >= fp_cuda.device_count)
+        status = fp_error_set(FP_EINVAL, "CUDA device %ld does not exist (%d visible)", ordinal,
+                              fp_cuda.device_count);
+    else {
+        fp_cu_device_t dev;
+        fp_cu_result_t r = fp_cuda.cuDeviceGet(&dev, (int)ordinal);
+        if (r == FP_CUDA_SUCCESS)
+            r = fp_cuda.cuDeviceGetPCIBusId(bus_id, (int)sizeof bus_id - 1, dev);
+        if (r != FP_CUDA_SUCCESS)
+            status = fp_cuda_error(r, "cuDeviceGetPCIBusId");
+    }
+    Py_END_ALLOW_THREADS
+    if (status)
+        return fp_raise(st, status);
+    return PyUnicode_FromString(bus_id);
 }
 
 static PyObject *fp_get_threads(PyObject *module, PyObject *Py_UNUSED(ignored))
@@ -876,6 +973,11 @@ static PyMethodDef fp_methods[] = {
      "The CUDA driver's state: {'state': 'ready' | 'no_device' | 'no_driver', 'reason', ...}."},
     {"set_threads", fp_set_threads, METH_O, "Size of the copy pool (0: the default)."},
     {"get_threads", fp_get_threads, METH_NOARGS, "Size of the copy pool."},
+    {"set_affinity", fp_set_affinity, METH_O,
+     "set_affinity(cpus)\nPin the copy pool's threads to these CPUs (None: undo), now and\n"
+     "for every pool made later in this process."},
+    {"pci_bus_id", fp_pci_bus_id, METH_O,
+     "pci_bus_id(device) -> str\nThe PCI address of a CUDA device, from the driver."},
     {"cpu_count", fp_cpu_count_py, METH_NOARGS, "CPUs this process may run on."},
     {"copy", fp_copy, METH_VARARGS, "copy(dst, src, nbytes) between raw addresses."},
     {NULL, NULL, 0, NULL},
@@ -949,6 +1051,8 @@ static void fp_free(void *module)
     if (st->copier && st->copier_pid == getpid() && st->busy == 0)
         fp_copier_destroy(st->copier);
     st->copier = NULL;
+    PyMem_Free(st->cpus);
+    st->cpus = NULL;
 }
 
 static PyModuleDef_Slot fp_slots[] = {

@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,13 @@ def model_for(shape) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(numel, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
+def say(text: str) -> None:
+    """One line in one write: the ranks share stdout, and torchrun leaves it unbuffered
+    (print writes the newline apart, so lines of two ranks could interleave)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def active_contexts() -> list:
     """The CUDA ordinals with an active primary context in this process (driver query:
     makes none). [] without a GPU."""
@@ -94,18 +102,18 @@ def active_contexts() -> list:
 def run(mode: str, args, rank: int, world: int, device: torch.device, dataset: Patterned) -> dict:
     """Train on one epoch's share of this rank; check every batch; return the report."""
     gpu = device.type == "cuda"
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=7)
+    sampler: DistributedSampler = DistributedSampler(dataset, num_replicas=world, rank=rank,
+                                                     shuffle=True, seed=7)
     sampler.set_epoch(0)
     expected_indices = list(iter(sampler))
     pin = mode == "pin_memory" and torch.accelerator.is_available()
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
                         num_workers=args.workers, pin_memory=pin,
                         persistent_workers=False)
+    batches: Any = loader
     if mode == "fastpin":
         batches = fastpin.Loader(loader, device=device if gpu else None, depth=args.depth,
                                  zero_copy=args.zero_copy)
-    else:
-        batches = loader
 
     torch.manual_seed(0)  # the same initial model on every rank, as DDP expects
     model = model_for(dataset.shape).to(device)
@@ -113,7 +121,9 @@ def run(mode: str, args, rank: int, world: int, device: torch.device, dataset: P
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     base = dataset.base.to(device)
 
-    exact, nbatches, nbytes, seen, problems = True, 0, 0, [], []
+    exact, nbatches, nbytes = True, 0, 0
+    seen: list = []
+    problems: list = []
     start = None
     for step, batch in enumerate(batches):
         if step == args.steps:
@@ -196,9 +206,9 @@ def main(argv=None) -> int:
         contexts = active_contexts()
         for r in reports:
             r["contexts"] = contexts
-            print(TAG, json.dumps({k: v for k, v in r.items() if k != "seen"}), flush=True)
+            say(f"{TAG} " + json.dumps({k: v for k, v in r.items() if k != "seen"}))
 
-        everyone = [None] * world
+        everyone: list = [None] * world
         dist.all_gather_object(everyone, reports)
         ok = all(r["exact"] for rs in everyone for r in rs)
         if rank == 0:
@@ -212,15 +222,14 @@ def main(argv=None) -> int:
                 same_model = len({round(r["checksum"], 6) for r in runs}) == 1
                 ok = ok and covered and same_model
                 what = "every sample once" if args.steps < 0 else "no sample twice"
-                print(f"{TAG} {runs[0]['mode']}: {what}: {covered}; "
-                      f"models equal across ranks: {same_model}", flush=True)
-            print(f"{TAG} {'rank':>4}  {'device':<8} " + "  ".join(
-                f"{r['mode'] + ' GB/s':>24}" for r in reports), flush=True)
+                say(f"{TAG} {runs[0]['mode']}: {what}: {covered}; "
+                    f"models equal across ranks: {same_model}")
+            say(f"{TAG} {'rank':>4}  {'device':<8} " + "  ".join(
+                f"{r['mode'] + ' GB/s':>24}" for r in reports))
             for rs in everyone:
-                print(f"{TAG} {rs[0]['rank']:>4}  {rs[0]['device']:<8} " + "  ".join(
-                    f"{r['gbps']:>19.3f} {'ok' if r['exact'] else 'BAD':>4}" for r in rs),
-                    flush=True)
-            print(f"{TAG} {'all exact' if ok else 'FAILED'}", flush=True)
+                say(f"{TAG} {rs[0]['rank']:>4}  {rs[0]['device']:<8} " + "  ".join(
+                    f"{r['gbps']:>19.3f} {'ok' if r['exact'] else 'BAD':>4}" for r in rs))
+            say(f"{TAG} {'all exact' if ok else 'FAILED'}")
         verdict = [ok]
         dist.broadcast_object_list(verdict, src=0)
         return 0 if verdict[0] else 1

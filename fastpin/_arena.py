@@ -1,13 +1,13 @@
-"""The process's default arena and fastpin's configuration."""
+"""The process's default arenas (one per GPU) and fastpin's configuration."""
 from __future__ import annotations
 
 import logging
 import os
 import sys
 import threading
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
-from . import _C
+from . import _C, _numa
 
 log = logging.getLogger("fastpin")
 
@@ -52,7 +52,11 @@ _policy = {"on_full": os.environ.get("FASTPIN_ON_FULL", "fallback"), "wait_timeo
            "allow_unpinned": os.environ.get("FASTPIN_ALLOW_UNPINNED", "0") not in ("", "0")}
 if _policy["on_full"] not in ON_FULL:
     raise ValueError(f"FASTPIN_ON_FULL must be one of {ON_FULL}, not {_policy['on_full']!r}")
-_arena: Optional[_C.Arena] = None
+# The default arenas of this process, by CUDA ordinal (-1: no usable GPU): each
+# is registered in its own device's primary context and records its events
+# there, so a batch read by GPU N is reused only after GPU N is done with it.
+_arenas: dict = {}
+_arena: Optional[_C.Arena] = None  # the last default arena made (for tests and debugging)
 _arena_pid = 0
 _C.set_threads(_env_int("FASTPIN_THREADS", 0))
 
@@ -60,12 +64,18 @@ _C.set_threads(_env_int("FASTPIN_THREADS", 0))
 def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
               device: Optional[int] = None, on_full: Optional[str] = None,
               wait_timeout: Optional[float] = None,
-              allow_unpinned: Optional[bool] = None) -> None:
-    """Set the default arena's cap in bytes (default 1 GiB, or FASTPIN_ARENA_BYTES),
+              allow_unpinned: Optional[bool] = None, numa: Optional[bool] = None) -> None:
+    """Set the default arenas' cap in bytes (default 1 GiB, or FASTPIN_ARENA_BYTES),
     the copy pool's size (default: the CPUs this process may use, at most 16, or
-    FASTPIN_THREADS) and the GPU whose stream orders frees (default: the current
-    one). A new cap or device takes effect with a new arena; blocks of the old one
-    stay valid until their tensors die.
+    FASTPIN_THREADS) and the GPU that fastpin.pin_memory pins for when no device is
+    named (default: the current one). Each GPU gets its own default arena, made on
+    first use. A new cap takes effect with new arenas; blocks of the old ones stay
+    valid until their tensors die.
+
+    numa (default True, or FASTPIN_NUMA=0 for False): on a machine of several NUMA
+    nodes, put each GPU's arena in the memory of the GPU's node and run the copy
+    threads on that node's CPUs (see fastpin._numa). Off also gives the copy
+    threads their affinity back; arenas made before keep their placement.
 
     on_full (default "fallback", or FASTPIN_ON_FULL): what a batch does when the
     arena has no room for it, or is bigger than the cap: "fallback" pins it the
@@ -91,9 +101,16 @@ def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
             if capacity <= 0:
                 raise ValueError(f"capacity must be positive, not {capacity}")
             if capacity != _capacity:
-                _capacity, _arena = capacity, None
-        if device is not None and device != _device:
-            _device, _arena = device, None
+                _capacity = capacity
+                _arenas.clear()
+        if device is not None:
+            if device < 0:
+                raise ValueError(f"device must be a CUDA ordinal >= 0, not {device}")
+            _device = device
+        if numa is not None and bool(numa) != _numa.enabled():
+            _arenas.clear()
+    if numa is not None:
+        _numa.set_enabled(numa)
     if threads is not None:
         _C.set_threads(threads)
 
@@ -104,12 +121,41 @@ def get_capacity() -> int:
 
 
 def _current_device() -> int:
+    """The GPU meant when none is named: configure(device=...), else torch's
+    current device once torch has initialised CUDA, else 0."""
     if _device is not None:
         return _device
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.current_device()
     return 0
+
+
+def device_index(device: Any = None) -> int:
+    """The CUDA ordinal `device` names: an int, "cuda:N", torch.device("cuda", N);
+    "cuda" without an index is torch's current device (in DataLoader's pin thread,
+    the device of the process that made the loader). None, "cpu" and other device
+    types: the default GPU (_current_device). -1 where no GPU is usable: nothing
+    is registered then, and one arena serves every name."""
+    if not cuda_available():
+        return -1
+    if device is None:
+        return _current_device()
+    if isinstance(device, int):
+        index = device
+    else:
+        kind, _, ordinal = str(device).partition(":")
+        if kind != "cuda":
+            return _current_device()
+        if ordinal:
+            index = int(ordinal)
+        else:
+            torch = sys.modules.get("torch")
+            index = (torch.cuda.current_device() if torch is not None
+                     and torch.cuda.is_available() else _current_device())
+    if index < 0:
+        raise ValueError(f"not a CUDA device: {device!r}")
+    return index
 
 
 def policy() -> dict:
@@ -149,22 +195,48 @@ def make_arena(capacity: int, **kwargs) -> _C.Arena:
         return _C.Arena(capacity, **kwargs, cuda=False)
 
 
-def default_arena() -> _C.Arena:
-    """The arena fastpin.pin_memory uses, made (and page-locked) on first use.
-    A forked child gets a fresh one: the parent's registration does not cross fork."""
+def make_placed_arena(capacity: int, index: int, **kwargs) -> _C.Arena:
+    """make_arena for CUDA device `index` (-1: none): registered in that device's
+    primary context only, its pages on the device's NUMA node and the copy threads
+    on the node's CPUs (fastpin._numa; nothing on a machine of one node)."""
+    where = _numa.for_device(index if index >= 0 else None)
+    if index >= 0:
+        kwargs["device"] = index
+    arena = make_arena(capacity, numa_node=where.node, **kwargs)
+    if where:
+        bound = arena.stats()["numa_node"]
+        if bound != where.node:
+            log.warning("fastpin: the kernel refused to place the arena of CUDA device %d on "
+                        "NUMA node %d (mbind failed: not permitted here?); its memory goes "
+                        "where the kernel puts it", index, where.node)
+        _numa.pin_threads(where)
+    return arena
+
+
+def default_arena(device: Any = None) -> _C.Arena:
+    """The arena fastpin.pin_memory uses for `device` (see device_index: None is
+    the current GPU), made (and page-locked) on first use. Each GPU has its own,
+    registered in that GPU's primary context and no other. A forked child gets
+    fresh ones: the parent's registration does not cross fork."""
     global _arena, _arena_pid
-    arena = _arena
-    if arena is not None and _arena_pid == os.getpid():
-        return arena
+    index = device_index(device)
+    if _arena_pid == os.getpid():
+        arena = _arenas.get(index)
+        if arena is not None:
+            return arena
     with _lock:
-        if _arena is None or _arena_pid != os.getpid():
-            _arena = make_arena(_capacity, device=_current_device())
+        if _arena_pid != os.getpid():
+            _arenas.clear()
             _arena_pid = os.getpid()
+        arena = _arenas.get(index)
+        if arena is None:
+            arena = _arenas[index] = _arena = make_placed_arena(_capacity, index)
             torch = sys.modules.get("torch")
-            if _arena.registered and torch is not None:
+            if arena.registered and torch is not None:
                 # torch answers is_pinned() False until its own CUDA state is
-                # initialised; the primary context exists already, so this is cheap.
+                # initialised. This makes no context: the arena's device has its
+                # primary context already, and torch's pointer queries use it.
                 torch.cuda.init()
-            log.debug("fastpin: arena of %d bytes, %s", _capacity,
-                      "page-locked" if _arena.registered else "not page-locked (no GPU)")
-        return _arena
+            log.debug("fastpin: arena of %d bytes for device %d, %s", _capacity, index,
+                      "page-locked" if arena.registered else "not page-locked (no GPU)")
+        return arena

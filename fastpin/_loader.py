@@ -8,6 +8,11 @@ _C.h2d) and records one event. `next()` makes the consumer's current stream
 wait on that event (no host synchronisation) and hands the batch over with its
 tensors record_stream'ed onto the consumer stream, so torch's caching
 allocator does not reuse their memory while the consumer's work reads it.
+
+One Loader per rank: a Loader binds to one GPU (its device, or the current one)
+and touches no other. Its copy stream lives there, and its arena (its own, or
+that GPU's default arena) is registered in that GPU's primary context, its
+pages on the GPU's NUMA node; the copy threads run on that node's CPUs.
 """
 from __future__ import annotations
 
@@ -20,8 +25,8 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from . import _C
-from ._arena import cuda_available, default_arena
+from . import _C, _numa
+from ._arena import cuda_available, default_arena, device_index
 from ._pin import pin_memory
 from ._walk import map_leaves
 
@@ -60,6 +65,7 @@ class _Stats:
             }
         d["pool_high_water"] = s["high_water"]
         d["pool_capacity"] = s["capacity"]
+        d["numa_node"] = s["numa_node"]
         return d
 
 
@@ -68,9 +74,11 @@ class Loader:
     arrive with their tensor leaves already on `device`, in the same structure.
 
     device: "cuda", "cuda:N", an int or torch.device: batches are copied there on a
-        side stream, `depth` batches ahead. None: batches come back pinned on the
-        host (for code that does its own .to(..., non_blocking=True)). "cpu":
-        batches pass through unchanged, prefetched in the background.
+        side stream, `depth` batches ahead; "cuda" is the current device (under
+        torchrun, call torch.cuda.set_device(local_rank) first, or name the device).
+        None: batches come back pinned on the host for the current GPU (for code
+        that does its own .to(..., non_blocking=True)). "cpu": batches pass through
+        unchanged, prefetched in the background.
     depth: how many batches are prepared ahead of the consumer (>= 1).
     zero_copy: the DataLoader's workers collate straight into a shared, page-locked
         arena of `capacity` bytes (default: fastpin.configure's), so the main process
@@ -103,9 +111,26 @@ class Loader:
                     self.device = torch.device("cuda", torch.cuda.current_device())
             elif self.device.type != "cpu":
                 raise ValueError(f"fastpin.Loader supports cuda and cpu devices, not {device!r}")
+        # The GPU this Loader serves (-1: none), and where its memory and copy
+        # threads go: its arena is that GPU's, and no other GPU is touched.
+        self._index = (self.device.index if self.device is not None and self.device.type == "cuda"
+                       else device_index(None) if self.device is None else -1)
+        if arena is not None and self._index >= 0 and arena.registered:
+            self._check_arena(arena)
+        self._placement = _numa.for_device(self._index if self._index >= 0 else None)
+        _numa.pin_threads(self._placement)
         self._active: Optional[weakref.ref] = None
         if zero_copy:
             self._setup_zero_copy(arena, capacity)
+
+    def _check_arena(self, arena: _C.Arena) -> None:
+        """An arena registered in another GPU's context would record its frees there:
+        its blocks could be reused while this GPU still copies from them."""
+        owner = arena.device
+        if owner != self._index:
+            raise ValueError(f"fastpin.Loader(device=cuda:{self._index}): the arena given is "
+                             f"registered with cuda:{owner}; make it with "
+                             f"_C.Arena(..., device={self._index})")
 
     def _setup_zero_copy(self, arena: Optional[_C.Arena], capacity: Optional[int]) -> None:
         """Make the shared arena (registered with CUDA here, before any worker
@@ -113,7 +138,7 @@ class Loader:
         from torch.utils.data import DataLoader
 
         from . import _zerocopy
-        from ._arena import _current_device, get_capacity
+        from ._arena import get_capacity
 
         if not isinstance(self.loader, DataLoader):
             raise TypeError("fastpin.Loader(zero_copy=True) needs a torch.utils.data.DataLoader, "
@@ -124,10 +149,8 @@ class Loader:
                           RuntimeWarning, stacklevel=3)
             return
         if arena is None:
-            device = self.device.index if self.device is not None and self.device.type == "cuda" \
-                else _current_device()
-            arena = _C.Arena(capacity or get_capacity(), shared=True, device=device,
-                             cuda=cuda_available())
+            arena = _C.Arena(capacity or get_capacity(), shared=True, device=max(self._index, 0),
+                             cuda=self._index >= 0, numa_node=self._placement.node)
         elif arena.fd < 0:
             raise ValueError("fastpin.Loader(zero_copy=True) needs a shared arena "
                              "(_C.Arena(..., shared=True))")
@@ -150,8 +173,8 @@ class Loader:
 
     def state_dict(self) -> dict:
         """The wrapped loader's state (torchdata's StatefulDataLoader, say). Batches
-        already prepared ahead count as consumed by the wrapped loader: take the state
-        between epochs, or with depth=1 to lose at most one batch on resume."""
+        already prepared ahead count as consumed by the wrapped loader, up to depth + 1
+        of them: take the state between epochs to resume exactly."""
         if not hasattr(self.loader, "state_dict"):
             raise AttributeError(f"{type(self.loader).__name__} has no state_dict()")
         return self.loader.state_dict()
@@ -170,7 +193,11 @@ class Loader:
 
     @property
     def arena(self) -> _C.Arena:
-        return self._arena if self._arena is not None else default_arena()
+        """The arena batches are staged or pinned in: the Loader's own, else the
+        default arena of its GPU."""
+        if self._arena is not None:
+            return self._arena
+        return default_arena(self._index if self._index >= 0 else None)
 
     def stats(self) -> dict:
         """batches, bytes, host_to_pinned_gbps (producer side), consumer_wait_s (time
@@ -189,8 +216,12 @@ class _Producer:
         self.torch = torch
         self.device = owner.device
         self.stats = owner._stats
-        self.arena = owner.arena
+        # A "cpu" Loader passes batches through: it needs no arena (and must not
+        # register one with a GPU).
+        cpu = self.device is not None and self.device.type == "cpu"
+        self.arena = owner._arena if cpu else owner.arena
         self.zero_copy = owner.zero_copy
+        self.placement = owner._placement
         self.queue: queue.Queue = queue.Queue(maxsize=owner.depth)
         self.stop = threading.Event()
         cuda = self.device is not None and self.device.type == "cuda"
@@ -209,7 +240,11 @@ class _Producer:
     def run(self) -> None:
         try:
             if self.copy_stream is not None:
+                # Before any other CUDA call of this thread: a new thread's
+                # current device is 0, which this Loader must not touch.
                 self.torch.cuda.set_device(self.device)
+            # This thread copies its share of every batch (the pool helps).
+            _numa.pin_this_thread(self.placement)
             while not self.stop.is_set():
                 try:
                     batch = next(self.source)

@@ -184,8 +184,10 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     released. The structure comes back as it went in (see map_leaves); torch
     tensors stay torch tensors and arrays stay arrays; tensors already pinned come
     back unchanged; objects with a pin_memory() method are asked to pin
-    themselves. `device` is accepted for DataLoader's signature and ignored: the
-    memory is pinned for every GPU. Non-contiguous inputs come back contiguous
+    themselves. `device` ("cuda", "cuda:N", an int; DataLoader's pin thread passes
+    "cuda" with its device current) picks the GPU's default arena, whose frees wait
+    for that GPU's copies; None: the current GPU. The memory is pinned for every
+    GPU either way. Non-contiguous inputs come back contiguous
     (dense permuted layouts such as channels_last keep their strides).
 
     The block is reused only after its tensors are gone and the GPU work queued
@@ -218,7 +220,7 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     pinned = [leaf for leaf in leaves if leaf.how in (_COPY, _GATHER)]
     block, offsets = None, ()
     if pinned:
-        arena = arena if arena is not None else default_arena()
+        arena = arena if arena is not None else default_arena(device)
         try:
             block, offsets = _pin_with_policy(arena, [(leaf.source, leaf.nbytes) for leaf in pinned],
                                               on_full or policy()["on_full"])
