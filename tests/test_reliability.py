@@ -84,6 +84,7 @@ def test_ctrl_c_during_iteration_leaves_the_process_clean():
                 return torch.full((64,), i)
         loader = fastpin.Loader(DataLoader(Slow(), batch_size=4, num_workers=2), device=None)
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        batch = None  # Ctrl-C may come before the first batch
         try:
             for batch in loader:
                 pass
