@@ -312,7 +312,8 @@ class _Producer:
     def to_device(self, batch):
         torch = self.torch
         copies = []   # (dst address, src address, nbytes, src is pinned)
-        keep = []     # the sources those copies read
+        keep = []     # (destination, the source it reads)
+        made = []     # every device tensor made here, for record_stream later
 
         def leaf(x):
             if isinstance(x, np.ndarray):
@@ -320,12 +321,15 @@ class _Producer:
                     return x
                 x = torch.from_numpy(np.ascontiguousarray(x))
             if x.device.type != "cpu":
-                return x.to(self.device, non_blocking=True)
+                moved = x.to(self.device, non_blocking=True)
+                made.append(moved)
+                return moved
             if not x.is_contiguous() or x.is_conj() or x.is_neg():
                 x = x.contiguous().resolve_conj().resolve_neg()
             # Allocated under the copy stream (the caller's `with`): the
             # consumer's stream is added by record_stream when it is handed over.
             dst = torch.empty(x.shape, dtype=x.dtype, device=self.device)
+            made.append(dst)
             nbytes = x.numel() * x.element_size()
             if nbytes:
                 copies.append((dst.data_ptr(), x.data_ptr(), nbytes, x.is_pinned()))
@@ -351,7 +355,7 @@ class _Producer:
         with self.stats.lock:
             self.stats.batches += 1
             self.stats.bytes += sum(c[2] for c in copies)
-        return out, event
+        return out, event, made
 
     def shutdown(self) -> None:
         """Stop the thread and drop what it prepared; safe from any thread."""
@@ -403,12 +407,11 @@ class _Epoch:
             raise item.exc
         if self.device is None or self.device.type == "cpu":
             return item
-        out, event = item
-        torch = self.torch
-        stream = torch.cuda.current_stream(self.device)
+        out, event, made = item
+        stream = self.torch.cuda.current_stream(self.device)
         stream.wait_event(event)
-        map_leaves(out, lambda x: isinstance(x, torch.Tensor) and x.is_cuda,
-                   lambda x: (x.record_stream(stream), x)[1])
+        for t in made:
+            t.record_stream(stream)
         return out
 
     def close(self) -> None:

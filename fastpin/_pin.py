@@ -85,12 +85,13 @@ def _plan_array(a: np.ndarray) -> _Leaf:
     return _Leaf(a, _GATHER, a.nbytes)
 
 
-def _contiguous_strides(shape):
+def _contiguous_strides(shape) -> tuple:
+    """Row-major strides, in elements, of `shape`."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
         step *= max(size, 1)
-    return strides[::-1]
+    return tuple(strides[::-1])
 
 
 def _tensor_out(block, offset, leaf: _Leaf, torch):

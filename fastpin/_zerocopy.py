@@ -32,7 +32,9 @@ from torch.utils.data._utils.collate import (
 )
 
 from . import _C
+from ._collate import stackable
 from ._dtypes import torch_carrier
+from ._pin import _contiguous_strides
 from ._walk import map_leaves
 
 _GRANULE = _C.GRANULE
@@ -65,11 +67,7 @@ class _Stack:
 
 
 def _stack_later(batch, *, collate_fn_map=None):
-    elem = batch[0]
-    if (elem.device.type != "cpu" or elem.layout != torch.strided or elem.is_nested
-            or elem.is_quantized or torch_carrier(elem.dtype) is None
-            or any(t.shape != elem.shape or t.dtype != elem.dtype or t.device != elem.device
-                   for t in batch)):
+    if not stackable(batch):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     return _Stack(batch)
 
@@ -98,14 +96,6 @@ class _Ref:
 
     def __reduce__(self):
         return (_Ref, (self.offset, self.shape, self.strides, self.dtype, self.numpy))
-
-
-def _contiguous_strides(shape):
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(strides[::-1])
 
 
 def _pack(tree, arena: _C.Arena):
