@@ -167,3 +167,25 @@ def small_arena():
     a = _C.Arena(64 << 10, cuda=False)
     yield a
     assert a.is_valid()
+
+
+@pytest.fixture
+def accelerator(monkeypatch):
+    """Make DataLoader pin where there is no GPU.
+
+    dataloader.py pins only when `torch.accelerator.is_available()` (and warns
+    otherwise, which filterwarnings=error turns into a failure); it names the
+    pin device from `current_accelerator()`, hands the pin thread
+    `current_device_index()`, and the thread calls `set_device_index()` on it.
+    Those four are all it asks of the accelerator; everything else the pin
+    thread does is the pin function itself, which fastpin replaces. On a
+    machine with a GPU the real ones are used."""
+    threads = torch.get_num_threads()       # the pin thread sets 1 for the process
+    if not fastpin.cuda_available():
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+        monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                            lambda check_available=False: torch.device("cuda"))
+        monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+        monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+    yield
+    torch.set_num_threads(threads)

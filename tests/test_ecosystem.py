@@ -259,21 +259,6 @@ class TaggedLoader(DataLoader):
         return f"{self.tag}: {len(self)} batches of {self.batch_size}"
 
 
-@pytest.fixture
-def accelerator(monkeypatch):
-    """Let DataLoader pin where there is no GPU (as in test_install.py): the four
-    torch.accelerator calls it makes, nothing else."""
-    threads = torch.get_num_threads()
-    if not fastpin.cuda_available():
-        monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-        monkeypatch.setattr(torch.accelerator, "current_accelerator",
-                            lambda check_available=False: torch.device("cuda"))
-        monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
-        monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_subclass_with_install(accelerator, workers):
     loader = TaggedLoader(Samples(), batch_size=BATCH, num_workers=workers, pin_memory=True,
