@@ -50,7 +50,6 @@
 #include "fastpin.h"
 
 #define FP_ARENA_MAGIC 0x3230706e74736166ull /* "fastpn02" */
-#define FP_MAX_CAPACITY (1ull << 43)          /* FP_FL_COUNT classes reach this */
 #define FP_DEFAULT_MAX_BLOCKS 65536u
 
 enum {
@@ -88,6 +87,9 @@ typedef struct fp_arena_meta_s {
     uint64_t token;       /* random, names the arena in every process; constant */
     uint64_t fallbacks;   /* atomic; batches workers could not place here */
     uint32_t max_blocks;  /* descriptors in blocks[]; constant */
+    uint32_t resident;    /* the creator's registration made every page resident:
+                             attachers may prefault their mapping for free; set
+                             once, before workers start */
     uint32_t returned;    /* return stack head; atomic, pushed without lock */
     pthread_mutex_t lock; /* process-shared, robust; guards all below */
     uint32_t draining;    /* journal: the rest of a chain taken off the return
@@ -720,6 +722,7 @@ static int fp_arena_register(fp_arena_t *a, int device)
         goto fail;
     }
     a->registered = 1;
+    fp_atomic_store_release(&a->meta->resident, 1u);
     return FP_OK;
 fail:
     fp_cuda_context_release(device);
@@ -857,6 +860,22 @@ fail:
         munmap(a->meta, map_size);
     free(a);
     return status;
+}
+
+/* The kernel's MADV_POPULATE_WRITE (Linux 5.14), spelled out for older headers. */
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+int fp_arena_prefault(fp_arena_t *a)
+{
+    if (!a->attached || !fp_atomic_load_relaxed(&a->meta->resident))
+        return 0;
+    /* One pass of the kernel over the page tables instead of a trap per 4 KiB
+     * page the first time this process writes each block: the pages exist
+     * (registration made them resident), so nothing is allocated. Old
+     * kernels (EINVAL) keep faulting on demand. */
+    return madvise(a->data, a->meta->capacity, MADV_POPULATE_WRITE) == 0;
 }
 
 void fp_arena_incref(fp_arena_t *a) { fp_atomic_add_acq_rel(&a->refcount, 1); }

@@ -194,6 +194,7 @@ void fp_cuda_context_release(int ordinal);
 #define FP_SL_LOG2 4           /* 16 second-level classes per power of two */
 #define FP_SL_COUNT (1u << FP_SL_LOG2)
 #define FP_FL_COUNT 32         /* first-level classes: sizes up to 2^43 bytes */
+#define FP_MAX_CAPACITY (1ull << 43) /* the largest arena: FP_FL_COUNT classes reach it */
 #define FP_CLASS_COUNT (FP_FL_COUNT * FP_SL_COUNT)
 #define FP_NIL UINT32_MAX      /* "no block" in index links */
 
@@ -247,6 +248,11 @@ int fp_arena_create_numa(fp_arena_t **out, uint64_t capacity, uint32_t max_block
  * after checking its header. The mapping is never registered with CUDA and
  * keeps its own duplicate of `fd`. The caller owns one reference. */
 int fp_arena_attach(fp_arena_t **out, int fd);
+/* In a process that attached: maps every page of the data now, when the
+ * creator's registration has made them all resident (so this allocates
+ * nothing), instead of one fault per page on first write. Returns 1 when it
+ * did, 0 when there was nothing to do or the kernel cannot (before 5.14). */
+int fp_arena_prefault(fp_arena_t *arena);
 void fp_arena_incref(fp_arena_t *arena);
 /* Any thread; the last one unmaps. The creator also unregisters from CUDA; a
  * process that attached (or inherited the struct across fork) only unmaps. */
