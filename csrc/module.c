@@ -583,6 +583,15 @@ static PyObject *Arena_count_fallback(ArenaObject *self, PyObject *Py_UNUSED(ign
     Py_RETURN_NONE;
 }
 
+static PyObject *Arena_prefault(ArenaObject *self, PyObject *Py_UNUSED(ignored))
+{
+    int done;
+    Py_BEGIN_ALLOW_THREADS
+    done = fp_arena_prefault(self->arena);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(done);
+}
+
 static PyObject *Arena_owner(ArenaObject *self, PyObject *arg)
 {
     unsigned long long index = PyLong_AsUnsignedLongLong(arg);
@@ -723,6 +732,10 @@ static PyMethodDef Arena_methods[] = {
      "counts once it has been reaped); returns how many."},
     {"count_fallback", (PyCFunction)Arena_count_fallback, METH_NOARGS,
      "Count one batch a worker could not place in the arena (stats()['fallbacks'])."},
+    {"prefault", (PyCFunction)Arena_prefault, METH_NOARGS,
+     "prefault() -> bool\nIn a process that attached: map every page now, when the creator's\n"
+     "registration made them resident (nothing is allocated), instead of one page\n"
+     "fault per page on first write. False: nothing to do, or the kernel cannot."},
     {"owner", (PyCFunction)Arena_owner, METH_O,
      "owner(index) -> int\nThe pid that allocated an allocated block, 0 once adopted."},
     {"__reduce__", (PyCFunction)Arena___reduce__, METH_NOARGS, NULL},
@@ -877,6 +890,17 @@ static PyObject *fp_pci_bus_id(PyObject *module, PyObject *arg)
     return PyUnicode_FromString(bus_id);
 }
 
+/* block_size(nbytes) -> the bytes of arena a request of `nbytes` takes. */
+static PyObject *fp_block_size(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    unsigned long long n = PyLong_AsUnsignedLongLong(arg);
+    if (n == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (n > FP_MAX_CAPACITY)
+        return PyErr_Format(PyExc_ValueError, "%llu bytes is more than an arena can hold", n);
+    return PyLong_FromUnsignedLongLong(fp_arena_round(n));
+}
+
 static PyObject *fp_get_threads(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
     fp_copier_t *copier = fp_get_copier(PyModule_GetState(module));
@@ -913,18 +937,31 @@ static PyObject *fp_copy(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* h2d(arena, stream, [(dst, src, nbytes, pinned), ...], chunk=8 MiB): queue
+/* h2d(arena, stream, [(dst, src, nbytes, pinned), ...], chunk=0): queue
  * host-to-device copies on a CUDA stream (a raw handle), staging pageable
  * sources through `arena` in chunks. GIL released throughout. */
+
+/* The default staging chunk: 8 MiB, or a quarter of a small arena, so that
+ * several chunks are in flight at once in any arena. */
+static uint64_t fp_default_chunk(fp_arena_t *arena)
+{
+    uint64_t chunk = fp_arena_capacity(arena) / 4 / FP_GRANULE * FP_GRANULE;
+    if (chunk > (8ull << 20))
+        chunk = 8ull << 20;
+    return chunk < FP_GRANULE ? FP_GRANULE : chunk;
+}
+
 static PyObject *fp_h2d(PyObject *module, PyObject *args)
 {
     fp_state *st = PyModule_GetState(module);
     PyObject *arena_obj, *items_obj;
-    unsigned long long stream, chunk = 8ull << 20;
+    unsigned long long stream, chunk = 0;
     if (!PyArg_ParseTuple(args, "O!KO|K:h2d", st->ArenaType, &arena_obj, &stream, &items_obj,
                           &chunk))
         return NULL;
     fp_arena_t *arena = ((ArenaObject *)arena_obj)->arena;
+    if (chunk == 0)
+        chunk = fp_default_chunk(arena);
     PyObject *fast = PySequence_Fast(items_obj, "h2d() takes a sequence of (dst, src, nbytes, pinned)");
     if (!fast)
         return NULL;
@@ -967,12 +1004,16 @@ done:
 
 static PyMethodDef fp_methods[] = {
     {"h2d", fp_h2d, METH_VARARGS,
-     "h2d(arena, stream, [(dst, src, nbytes, pinned), ...], chunk=8 MiB)\n"
-     "Queue host-to-device copies on a CUDA stream, staging pageable sources."},
+     "h2d(arena, stream, [(dst, src, nbytes, pinned), ...], chunk=0)\n"
+     "Queue host-to-device copies on a CUDA stream, staging pageable sources through\n"
+     "arena blocks of `chunk` bytes (0: 8 MiB, or a quarter of a smaller arena)."},
     {"cuda_status", fp_cuda_status, METH_NOARGS,
      "The CUDA driver's state: {'state': 'ready' | 'no_device' | 'no_driver', 'reason', ...}."},
     {"set_threads", fp_set_threads, METH_O, "Size of the copy pool (0: the default)."},
     {"get_threads", fp_get_threads, METH_NOARGS, "Size of the copy pool."},
+    {"block_size", fp_block_size, METH_O,
+     "block_size(nbytes) -> int\nThe bytes of arena one request of `nbytes` takes (its size class):\n"
+     "at most 1/16 more, for sizing an arena's capacity."},
     {"set_affinity", fp_set_affinity, METH_O,
      "set_affinity(cpus)\nPin the copy pool's threads to these CPUs (None: undo), now and\n"
      "for every pool made later in this process."},

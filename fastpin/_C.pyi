@@ -138,10 +138,14 @@ class Arena:
         """The pid that allocated an allocated block, 0 once adopted."""
     def count_fallback(self) -> None:
         """Count a batch that went the ordinary way because the arena was full."""
+    def prefault(self) -> bool:
+        """Attached: map every page of a registered arena now (nothing is allocated)."""
     def stats(self) -> _ArenaStats: ...
     def collect(self) -> None: ...
     def is_valid(self) -> bool: ...
 
+def block_size(nbytes: int, /) -> int:
+    """The bytes of arena one request of `nbytes` takes (its size class)."""
 def h2d(
     arena: Arena,
     stream: int,
