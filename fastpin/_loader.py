@@ -16,6 +16,7 @@ pages on the GPU's NUMA node; the copy threads run on that node's CPUs.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -29,6 +30,8 @@ from . import _C, _numa
 from ._arena import cuda_available, default_arena, device_index
 from ._pin import pin_memory
 from ._walk import map_leaves
+
+log = logging.getLogger("fastpin")
 
 _STOP = object()  # end of the epoch
 _POLL = 0.1       # seconds between checks of the stop flag while blocked
@@ -220,7 +223,14 @@ class _Producer:
         # register one with a GPU).
         cpu = self.device is not None and self.device.type == "cpu"
         self.arena = owner._arena if cpu else owner.arena
+        # Batches pinned or staged by copy here: in zero-copy mode, those a worker
+        # could not place in the shared arena go through the GPU's default arena,
+        # so they take no room the workers need (which would make more fall back).
+        self.index = owner._index
+        self.copy_arena = None if owner.zero_copy else self.arena
         self.zero_copy = owner.zero_copy
+        self.loader = owner.loader  # the DataLoader (not its iterator): for sizing advice
+        self.depth = owner.depth
         self.placement = owner._placement
         self.queue: queue.Queue = queue.Queue(maxsize=owner.depth)
         self.stop = threading.Event()
@@ -253,6 +263,7 @@ class _Producer:
                     return
                 t0 = time.perf_counter()
                 item = self.prepare(batch)
+                batch = None  # a zero-copy batch's block is free to go once copied
                 dt = time.perf_counter() - t0
                 with self.stats.lock:
                     self.stats.copy_seconds += dt
@@ -276,19 +287,27 @@ class _Producer:
 
     def prepare(self, batch):
         if self.zero_copy:
-            from ._zerocopy import receive
+            from . import _zerocopy
 
             self.arena.collect()  # only this process can see the GPU finish with blocks
+            batch = _zerocopy.adopted(batch)
+            if isinstance(batch, _zerocopy._Adopted) and self.copy_stream is not None:
+                out = self.block_to_device(batch)
+                if out is not None:
+                    return out
             consumer = self.copy_stream if self.copy_stream is not None else self.consumer_stream
-            batch, adopted = receive(batch, getattr(consumer, "cuda_stream", None))
+            batch, adopted = _zerocopy.receive(batch, getattr(consumer, "cuda_stream", None))
             if not adopted:
                 with self.stats.lock:
                     self.stats.fallbacks += 1
+                    first = self.stats.fallbacks == 1
+                if first:
+                    self.warn_full(batch)
             elif self.device is None:
                 self.count(batch)
                 return batch
         if self.device is None:
-            out = pin_memory(batch, arena=self.arena, stream=self.consumer_stream)
+            out = pin_memory(batch, arena=self.staging(), stream=self.consumer_stream)
             self.count(out)
             return out
         if self.device.type == "cpu":
@@ -296,30 +315,75 @@ class _Producer:
             return batch
         return self.to_device(batch)
 
-    def count(self, batch) -> None:
+    def staging(self) -> _C.Arena:
+        """The arena batches are pinned or staged in by copy (made on first use)."""
+        if self.copy_arena is None:
+            self.copy_arena = default_arena(self.index if self.index >= 0 else None)
+        return self.copy_arena
+
+    def warn_full(self, batch) -> None:
+        """Once per Loader: a worker found the shared arena full; say what fits."""
+        nbytes = self.nbytes(batch)
+        loader = self.loader
+        ahead = (loader.prefetch_factor or 2) * max(loader.num_workers, 1)
+        need = _C.block_size(max(nbytes, 1)) * (ahead + self.depth + 6)
+        log.warning(
+            "fastpin.Loader(zero_copy=True): a DataLoader worker found the shared arena full "
+            "(%.0f MB) and collated a batch of %.1f MB the ordinary way; such batches are "
+            "pinned by copy in the main process, which is slower. The arena holds the "
+            "workers' batches in flight (num_workers x prefetch_factor = %d), the Loader's "
+            "depth and the batches you keep: for this DataLoader give it capacity=%d "
+            "(%.0f MB) or more.", self.arena.capacity / 1e6, nbytes / 1e6, ahead, need, need / 1e6)
+
+    def nbytes(self, batch) -> int:
         torch = self.torch
-        nbytes = 0
+        total = 0
 
         def add(x):
-            nonlocal nbytes
-            nbytes += x.numel() * x.element_size() if isinstance(x, torch.Tensor) else x.nbytes
+            nonlocal total
+            total += x.numel() * x.element_size() if isinstance(x, torch.Tensor) else x.nbytes
 
         map_leaves(batch, lambda x: isinstance(x, (torch.Tensor, np.ndarray)), add)
+        return total
+
+    def count(self, batch) -> None:
+        nbytes = self.nbytes(batch)
         with self.stats.lock:
             self.stats.batches += 1
             self.stats.bytes += nbytes
 
-    def to_device(self, batch):
+    def block_to_device(self, batch):
+        """A batch a worker placed in the arena: one copy of its whole block into
+        one device buffer, its leaves views of that buffer (no per-leaf work but
+        the view). None: a leaf this path cannot take; use the ordinary one."""
+        from . import _zerocopy
+
         torch = self.torch
-        copies = []   # (dst address, src address, nbytes, src is pinned)
+        block = batch.block
+        with torch.cuda.stream(self.copy_stream):
+            buffer = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
+        tree = _zerocopy.device_views(batch, buffer)
+        if tree is None:
+            return None
+        # The block goes back to the arena once the copy stream is past this
+        # copy: its event is recorded there when the Block dies, at return.
+        block.consumer_stream = self.copy_stream.cuda_stream
+        copies = [(buffer.data_ptr(), block.ptr, block.nbytes, True)] if block.nbytes else []
+        return self.to_device(tree, copies=copies, made=[buffer])
+
+    def to_device(self, batch, copies=None, made=None):
+        torch = self.torch
+        copies = copies or []  # (dst address, src address, nbytes, src is pinned)
         keep = []     # (destination, the source it reads)
-        made = []     # every device tensor made here, for record_stream later
+        made = made or []  # every device tensor made here, for record_stream later
 
         def leaf(x):
             if isinstance(x, np.ndarray):
                 if x.dtype.hasobject:
                     return x
                 x = torch.from_numpy(np.ascontiguousarray(x))
+            if x.device == self.device:
+                return x  # there already (a zero-copy batch's views)
             if x.device.type != "cpu":
                 moved = x.to(self.device, non_blocking=True)
                 made.append(moved)
@@ -339,7 +403,9 @@ class _Producer:
         with torch.cuda.stream(self.copy_stream):
             out = map_leaves(batch, lambda x: isinstance(x, (torch.Tensor, np.ndarray)), leaf)
             try:
-                _C.h2d(self.arena, self.copy_stream.cuda_stream, copies)
+                # Pinned sources alone need no staging: no arena to make for them.
+                staging = self.arena if all(c[3] for c in copies) else self.staging()
+                _C.h2d(staging, self.copy_stream.cuda_stream, copies)
             except _C.ArenaFullError:
                 # Live pinned batches fill the arena: copy from pageable memory,
                 # slower, never stuck. Copies already queued stay valid.
@@ -347,11 +413,16 @@ class _Producer:
                     dst.copy_(src)
                 with self.stats.lock:
                     self.stats.fallbacks += 1
-            event = torch.cuda.Event()
+            # Blocking: a wait on it below sleeps instead of spinning a core.
+            event = torch.cuda.Event(blocking=True)
             event.record(self.copy_stream)
         while self.in_flight and self.in_flight[0][0].query():
             self.in_flight.pop(0)
         self.in_flight.append((event, keep))
+        if len(self.in_flight) > self.depth + 1:
+            # The bus is behind: queue no further ahead of it. Every copy queued
+            # keeps its source block (and its batch's device memory) held.
+            self.in_flight.pop(0)[0].synchronize()
         with self.stats.lock:
             self.stats.batches += 1
             self.stats.bytes += sum(c[2] for c in copies)

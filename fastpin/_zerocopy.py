@@ -48,6 +48,11 @@ _attach_lock = threading.Lock()
 
 _creators: dict = {}  # token -> pid of the process that made the arena
 
+# Workers map the whole registered arena when they attach, rather than fault
+# on each page of each block they first write (benchmarks/profile_zero_copy.py
+# measures both).
+PREFAULT = True
+
 
 def register(arena: _C.Arena) -> None:
     """Let blocks of `arena` shipped by workers be adopted in this process."""
@@ -204,6 +209,8 @@ def _attach(fd: int, token: int) -> _C.Arena:
             arena = _C.Arena.attach(fd)
             if arena.token != token:
                 raise RuntimeError("fastpin: the file descriptor does not hold the expected arena")
+            if PREFAULT:
+                arena.prefault()
             # A worker copies on its own thread: the DataLoader runs many.
             _C.set_threads(1)
             entry = _attached[token] = (os.getpid(), arena)
@@ -257,16 +264,55 @@ def _leaf_out(block, ref: _Ref):
     return out.view(view_as) if view_as is not None else out
 
 
-def receive(batch: Any, consumer_stream: Any = None) -> tuple:
-    """(batch with tensors over the adopted block, True), or (batch, False) for a
-    batch that came the ordinary way (a worker fell back)."""
+def adopted(batch: Any) -> Any:
+    """The batch as the main process holds it: an _Adopted for a batch a worker
+    placed in the arena (also one collated here, num_workers=0), else as it came."""
     if isinstance(batch, _Shipped):  # collated in this process (num_workers=0)
         if batch.block is not None:
             batch.block.detach()  # handed over to the adopting Block below
         batch = _adopt(batch.token, batch.index, batch.nbytes, batch.tree)
+    return batch
+
+
+def receive(batch: Any, consumer_stream: Any = None) -> tuple:
+    """(batch with tensors over the adopted block, True), or (batch, False) for a
+    batch that came the ordinary way (a worker fell back)."""
+    batch = adopted(batch)
     if not isinstance(batch, _Adopted):
         return batch, False
     block = batch.block
     if consumer_stream is not None:
         block.consumer_stream = consumer_stream
     return map_leaves(batch.tree, lambda x: isinstance(x, _Ref), lambda r: _leaf_out(block, r)), True
+
+
+_numpy_to_torch: dict = {}
+
+
+def _torch_dtype(ref: _Ref) -> Optional[torch.dtype]:
+    """The torch dtype a leaf becomes on the device; None: torch has none for it."""
+    if not ref.numpy:
+        return ref.dtype
+    if ref.dtype not in _numpy_to_torch:
+        try:
+            _numpy_to_torch[ref.dtype] = torch.from_numpy(np.empty(0, np.dtype(ref.dtype))).dtype
+        except TypeError:
+            _numpy_to_torch[ref.dtype] = None
+    return _numpy_to_torch[ref.dtype]
+
+
+def device_views(batch: "_Adopted", buffer: torch.Tensor) -> Optional[Any]:
+    """The batch's tree with each leaf a view of `buffer`, a device tensor of the
+    block's bytes that one copy fills; None when a leaf has a NumPy dtype torch
+    does not know (the caller then takes the ordinary path, which says so)."""
+    refs = []
+    map_leaves(batch.tree, lambda x: isinstance(x, _Ref), refs.append)
+    if any(_torch_dtype(r) is None for r in refs):
+        return None
+
+    def view(ref: _Ref) -> torch.Tensor:
+        dtype = _torch_dtype(ref)
+        nbytes = int(np.prod(ref.shape, dtype=np.int64)) * dtype.itemsize
+        return buffer[ref.offset:ref.offset + nbytes].view(dtype).view(ref.shape)
+
+    return map_leaves(batch.tree, lambda x: isinstance(x, _Ref), view)

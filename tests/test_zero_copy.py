@@ -116,14 +116,25 @@ def test_out_of_order_and_iterable_datasets(in_order):
     check(list(loader), loader.arena, 50)
 
 
-def test_full_arena_falls_back_to_the_ordinary_path():
+def test_full_arena_falls_back_to_the_ordinary_path(caplog):
     # Room for about one batch: workers find it full and collate the usual way.
     dl = DataLoader(Images(), batch_size=16, num_workers=2, prefetch_factor=4)
     loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=20_000, depth=4)
-    batches = list(loader)
+    with caplog.at_level("WARNING", logger="fastpin"):
+        batches = list(loader)
     check(batches, loader.arena, 96, in_arena=False)
     stats = loader.stats()
     assert stats["worker_fallbacks"] > 0 and stats["fallbacks"] == stats["worker_fallbacks"]
+    # Fallen-back batches are pinned elsewhere: they take no room the workers need.
+    assert sum(not inside(b["img"], loader.arena) for b in batches) == stats["fallbacks"]
+    # Said once, with a capacity that holds what is in flight: 2 workers x 4
+    # prefetched, depth 4, and 6 more (one being copied, copies queued, slack),
+    # each a block of one batch.
+    advice = [r.getMessage() for r in caplog.records if "shared arena full" in r.getMessage()]
+    assert len(advice) == 1
+    batch_bytes = sum(x.numel() * x.element_size() for x in batches[0].values()
+                      if isinstance(x, torch.Tensor))
+    assert f"capacity={_C.block_size(batch_bytes) * (8 + 4 + 6)} " in advice[0]
 
 
 def test_break_and_reiterate_leave_no_blocks():
