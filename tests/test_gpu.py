@@ -256,3 +256,87 @@ def test_zero_copy_host_batches_are_pinned_and_in_the_arena():
         del batch, img
         for row, i in zip(on_gpu.cpu(), labels):
             assert torch.equal(row, _zc_expected(i)[0])
+
+
+def test_attached_worker_prefaults_the_registered_arena():
+    """Registration made every page resident: an attached process maps them all
+    at once (no allocation), and writes through that mapping reach the creator."""
+    import os
+
+    arena = _C.Arena(16 * MB, shared=True)
+    assert arena.registered
+    other = _C.Arena.attach(arena.fd)
+    release = tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit())
+    assert other.prefault() == (release >= (5, 14))
+    assert not arena.prefault()  # the creator's own mapping is resident already
+    src = patterned(MB, 9)
+    block, (offset,) = other.pin([(src.data_ptr(), src.numel())])
+    index, nbytes = block.index, block.nbytes
+    block.detach()
+    mine = arena.adopt(index, nbytes)
+    got = torch.from_dlpack(mine.dlpack(offset, (MB,), (1,), 1, 8, 1))
+    assert torch.equal(got, src)
+
+
+def test_loader_stages_through_an_arena_smaller_than_a_chunk():
+    """A 2 MiB arena stages in quarter-arena chunks: a 9 MiB leaf still arrives."""
+    src = [{"big": patterned(9 * MB, 20 + i), "i": torch.tensor([i])} for i in range(6)]
+    loader = fastpin.Loader(src, device="cuda", arena=_C.Arena(2 * MB))
+    for cpu, gpu in zip(src, loader):
+        torch.cuda._sleep(sleep_cycles(0.5))
+        assert torch.equal(gpu["big"].cpu(), cpu["big"]) and int(gpu["i"]) == int(cpu["i"])
+
+
+class _MixedSamples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(500 + i)
+        rng = np.random.default_rng(500 + i)
+        return {
+            "u8": torch.randint(0, 256, (5, 7), dtype=torch.uint8, generator=g),
+            "f16": torch.randn(3, generator=g).half(),
+            "bool": torch.rand(9, generator=g) > 0.5,
+            "c64": torch.randn(2, 2, generator=g, dtype=torch.complex64),
+            "np_i16": rng.integers(-30000, 30000, size=(4, 3), dtype=np.int16),
+            "np_f64": rng.standard_normal(6),
+            "empty": torch.empty(0, 3),
+            "name": f"sample-{i}",
+            "i": i,
+        }
+
+
+def _mixed_collate(samples):
+    """A collate of the user's own: NumPy leaves stay arrays (stacked here)."""
+    out = {k: torch.stack([s[k] for s in samples]) for k in ("u8", "f16", "bool", "c64", "empty")}
+    out.update({k: np.stack([s[k] for s in samples]) for k in ("np_i16", "np_f64")})
+    out["name"] = [s["name"] for s in samples]
+    out["i"] = torch.tensor([s["i"] for s in samples])
+    return out
+
+
+def test_zero_copy_device_mode_every_leaf_kind():
+    """One copy per block, leaves as views: dtypes of every width, NumPy leaves
+    (arriving as device tensors, as the copy path gives them), zero-size leaves,
+    strings passing through."""
+    from torch.utils.data import DataLoader
+
+    dataset = _MixedSamples()
+    dl = DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=_mixed_collate)
+    loader = fastpin.Loader(dl, device="cuda", zero_copy=True, capacity=32 * MB)
+    seen = 0
+    for batch in loader:
+        torch.cuda._sleep(sleep_cycles(0.3))
+        idx = batch["i"].cpu().tolist()
+        want = _mixed_collate([dataset[i] for i in idx])
+        assert batch["name"] == want["name"]
+        for k in ("u8", "f16", "bool", "c64", "empty", "np_i16", "np_f64"):
+            got, ref = batch[k], want[k]
+            ref = torch.from_numpy(ref) if isinstance(ref, np.ndarray) else ref
+            assert got.is_cuda and got.dtype == ref.dtype and got.shape == ref.shape, k
+            assert torch.equal(got.cpu(), ref), k
+        seen += len(idx)
+        del batch
+    assert seen == len(dataset)
+    assert loader.stats()["worker_fallbacks"] == 0
