@@ -886,7 +886,7 @@ def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optiona
             # Room for every batch the workers have in flight, or they fall back.
             batch_bytes = (seen or {}).get("batch_bytes", 0)
             ahead = (loader.prefetch_factor or 2) * loader.num_workers if loader.num_workers else 1
-            need = -(-batch_bytes * (ahead + depth + 4) // MB) * MB
+            need = -(-_C.block_size(batch_bytes) * (ahead + depth + 6) // MB) * MB
             floader = fastpin.Loader(loader, device=target, depth=depth, zero_copy=True,
                                      capacity=max(capacity, need))
             if not floader.zero_copy:
@@ -997,7 +997,7 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
     step: your own step, called with every delivered batch (instead of compute_ms).
     capacity: bytes of each fastpin arena (default: fastpin.configure's, 1 GiB).
         Zero-copy's shared arena gets at least room for the batches its workers
-        have in flight (prefetch_factor x num_workers, plus depth + 4), sized by
+        have in flight (prefetch_factor x num_workers, plus depth + 6), sized by
         the largest batch the earlier paths saw, or by `batch_bytes` if given.
     depth: fastpin.Loader's batches prepared ahead.
     progress: a progress bar on stderr (tqdm where installed).
@@ -1214,7 +1214,7 @@ def _gb(n: float) -> str:
 def _arena_bytes(w: Workload, workers: int, depth: int) -> int:
     """An arena that holds every batch in flight: those the workers have ready
     (zero-copy), the Loader's queue, the consumer's, those the GPU still reads."""
-    return max(256 * MB, -(-w.batch_bytes * (2 * workers + depth + 4) // MB) * MB)
+    return max(256 * MB, -(-w.batch_bytes * (2 * workers + depth + 6) // MB) * MB)
 
 
 def _copy_arena_bytes(w: Workload, depth: int) -> int:
@@ -1440,6 +1440,13 @@ def _micro_room(name: str, sizes: Sequence[float], workers: Sequence[int]) -> Op
     return None
 
 
+def _save(suite: dict, path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(suite, f, indent=2)
+    os.replace(tmp, path)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastpin.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1577,6 +1584,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 suite["failed_cases"][name] = f"{type(exc).__name__}: {exc}"
             out()
             out(_section(suite, name))
+            if args.json:  # after every case: a run cut short keeps what it measured
+                _save(suite, args.json)
     finally:
         _reporter.close()
         _reporter = None
@@ -1585,8 +1594,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out()
         out(summary)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(suite, f, indent=2)
+        _save(suite, args.json)
     if args.plot:
         if suite["cases"]:
             plot(suite, args.plot)

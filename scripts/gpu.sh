@@ -4,6 +4,7 @@
 #   bash scripts/gpu.sh              build, C tests, pytest (GPU tests included), benchmark
 #   bash scripts/gpu.sh test         build, C tests, pytest
 #   bash scripts/gpu.sh bench ARGS   build, python -m fastpin.bench ARGS --json $OUT/bench.json
+#   bash scripts/gpu.sh profile ARGS build, benchmarks/profile_zero_copy.py ARGS
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -21,9 +22,12 @@ step() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
 step env FASTPIN_WERROR=1 python3 setup.py -q build_ext --inplace
 if [ "$what" = all ] || [ "$what" = test ]; then
     step make -C tests/c test
-    step python3 -m pytest -q -p no:cacheprovider -x tests
+    step python3 -m pytest -q -p no:cacheprovider tests
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
     step python3 -m fastpin.bench --no-progress "$@" --json "$OUT/bench.json"
+fi
+if [ "$what" = profile ]; then
+    step env PYTHONPATH="$PWD" python3 benchmarks/profile_zero_copy.py "$@"
 fi
 exit $status
