@@ -255,11 +255,12 @@ class _Images(torch.utils.data.Dataset):
 
 
 def loader_table(workers=(8, 15), batches: int = 300, batch_size: int = 256,
-                 dtypes=("uint8", "float32")) -> dict:
+                 dtypes=("uint8", "float32"), max_seconds: Optional[float] = None) -> dict:
     """Delivered GB/s of a DataLoader over in-memory 3x224x224 images, random
     sampling over one long epoch, no compute: pin_memory=True, fastpin.Loader
     copying, fastpin.Loader(zero_copy=True). With no GPU, batches are delivered
-    to the host instead (and pin_memory=True cannot pin)."""
+    to the host instead (and pin_memory=True cannot pin). Each path is timed
+    over `batches` batches, or fewer once `max_seconds` have passed."""
     from torch.utils.data import DataLoader, RandomSampler
 
     gpu = fastpin.cuda_available() and torch.cuda.is_available()
@@ -289,18 +290,21 @@ def loader_table(workers=(8, 15), batches: int = 300, batch_size: int = 256,
                     if to_device:
                         x = x.to("cuda", non_blocking=True)
                     n += 1
-                    if n == batches:
+                    if n == batches or _out_of_time(t0, n, max_seconds):
                         break
                 if gpu:
                     torch.cuda.synchronize()
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 del it
+                timed.append(n)
                 return n * batch_bytes / wall / 1e9, cpu / n * 1e3
 
             row = {"dtype": dtype_name, "workers": nw, "batch_mb": batch_bytes / MB}
+            timed: list = []  # batches each path timed
             row["stock_gbps"], row["stock_cpu_ms"] = measure(make(), gpu)
             _progress(f"  {dtype_name} {nw} workers: pin_memory=True done")
-            capacity = max(1 << 30, batch_bytes * (2 * nw + 8))
+            # Room for the workers' prefetch (2 x workers), depth 2 and 6 more.
+            capacity = max(1 << 30, _C.block_size(batch_bytes) * (2 * nw + 8))
             fastpin.configure(capacity=capacity)
             dl = make()
             dl.pin_memory = False
@@ -311,17 +315,30 @@ def loader_table(workers=(8, 15), batches: int = 300, batch_size: int = 256,
             zc = fastpin.Loader(dl, device=device, zero_copy=True, capacity=capacity)
             row["zero_copy_gbps"], row["zero_copy_cpu_ms"] = measure(zc, False)
             row["zero_copy_fallbacks"] = zc.stats()["worker_fallbacks"]
+            row["batches_timed"] = timed
             _progress(f"  {dtype_name} {nw} workers: zero-copy done")
             del zc, dl
             rows.append(row)
-    return {"gpu": gpu, "batches": batches, "batch_size": batch_size, "rows": rows}
+    return {"gpu": gpu, "batches": batches, "batch_size": batch_size, "rows": rows,
+            "max_seconds": max_seconds}
+
+
+def _out_of_time(t0: float, n: int, max_seconds: Optional[float]) -> bool:
+    """A path's time budget is spent (it always times a few batches first)."""
+    return bool(max_seconds) and n >= _MIN_TIMED and time.perf_counter() - t0 >= max_seconds
+
+
+_MIN_TIMED = 5  # batches a path times at least, whatever its time budget
 
 
 def format_loader_table(result: dict) -> str:
     where = "to the GPU" if result["gpu"] else "to pinned host batches (no GPU here)"
+    budget = (f" (or fewer, once {result['max_seconds']:g} s had passed)"
+              if result.get("max_seconds") else "")
     lines = [
         f"Delivered {where}, GB/s; main-process CPU ms per batch in brackets. "
-        f"{result['batches']} batches of {result['batch_size']} images 3x224x224, random sampling.",
+        f"{result['batches']} batches{budget} of {result['batch_size']} images 3x224x224 "
+        "per path, random sampling.",
         "",
         "| dtype | workers | batch | pin_memory=True | fastpin.Loader | fastpin.Loader(zero_copy) | "
         "zero-copy / pin_memory | worker fallbacks |",
@@ -334,6 +351,10 @@ def format_loader_table(result: dict) -> str:
             f"{r['copy_gbps']:.1f} ({r['copy_cpu_ms']:.2f}) | "
             f"{r['zero_copy_gbps']:.1f} ({r['zero_copy_cpu_ms']:.2f}) | "
             f"{r['zero_copy_gbps'] / r['stock_gbps']:.1f}x | {r['zero_copy_fallbacks']} |")
+    if result.get("max_seconds"):
+        timed = ", ".join(f"{r['dtype']} {_workers(r['workers'])} {'/'.join(map(str, r['batches_timed']))}"
+                          for r in result["rows"] if r.get("batches_timed"))
+        lines += ["", f"Batches timed (pin_memory=True / fastpin.Loader / zero-copy): {timed}."]
     return "\n".join(lines)
 
 
@@ -605,6 +626,7 @@ class Results:
     batches: int = 0
     warmup: int = 0
     compute_ms: float = 0.0
+    max_seconds: Optional[float] = None
     notes: list = dataclasses.field(default_factory=list)
     machine: dict = dataclasses.field(default_factory=dict)
 
@@ -658,7 +680,12 @@ class Results:
         mb = [r.batch_mb for r in self.rows if r.ok and r.batch_mb]
         size = f"{statistics.mean(mb):.1f} MB batches, " if mb else ""
         workers = "" if self.workers is None else _workers(self.workers) + ", "
-        return (f"{size}{self.batches} timed after {self.warmup} warm-up, {workers}"
+        timed = f"{self.batches} timed"
+        if self.max_seconds:
+            counts = sorted({r.batches for r in self.rows if r.ok and r.batches})
+            span = (f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}") if counts else "0"
+            timed = f"{span} timed (up to {self.batches}, or {self.max_seconds:g} s a path)"
+        return (f"{size}{timed} after {self.warmup} warm-up, {workers}"
                 f"compute {self.compute_ms:g} ms/step, delivered to {self.device}.")
 
     def markdown(self, heading: str = "##") -> str:
@@ -844,7 +871,7 @@ def _no_pin(loader: Any) -> Any:
 def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optional[torch.device],
               batches: int, warmup: int, step: Optional[Callable[[Any], Any]],
               capacity: int, depth: int, progress: _Progress,
-              seen: Optional[dict] = None) -> Row:
+              seen: Optional[dict] = None, max_seconds: Optional[float] = None) -> Row:
     gpu, _ = _gpu()
     row = Row(path)
     arena: Any = None
@@ -930,7 +957,7 @@ def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optiona
                 step(batch)
             n += 1
             progress.update(1)
-            if n == batches:
+            if n == batches or _out_of_time(t1, n, max_seconds):
                 break
         batch = None
         sync()
@@ -945,7 +972,7 @@ def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optiona
         row.gbps = nbytes / wall / 1e9
         row.step_ms = wall / n * 1e3
         row.cpu_ms = cpu / n * 1e3
-        if n < batches:
+        if n < batches and not _out_of_time(t1, n, max_seconds):
             row.reason = f"the loader ran out after {n} of {batches} batches"
         held, used = _torch_pinned(gpu)
         if arena is not None:
@@ -978,7 +1005,8 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
             device: Any = "auto", compute_ms: float = 0.0,
             step: Optional[Callable[[Any], Any]] = None, capacity: Optional[int] = None,
             batch_bytes: Optional[int] = None, depth: int = 2, progress: bool = True,
-            name: str = "compare", title: str = "") -> Results:
+            name: str = "compare", title: str = "",
+            max_seconds: Optional[float] = None) -> Results:
     """Run your own DataLoader through every pinning path and measure each.
 
     loader_factory(pin_memory: bool) returns a fresh loader each call (a
@@ -990,6 +1018,8 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
     paths: names from fastpin.bench.PATHS (default: all, in that order); those that
         cannot run here are kept as rows with status 'skipped' and the reason.
     batches / warmup: batches timed per path, after the first one and `warmup` more.
+    max_seconds: a time budget per path: it stops timing once this much has passed
+        (after at least 5 batches), so slow paths do not hold up a run. None: none.
     device: 'auto' (the current GPU, else the host), a CUDA device, or None/'host':
         where batches are delivered. Without a GPU the GPU paths are skipped.
     compute_ms: simulated compute per step: a GPU kernel that spins that long on the
@@ -1021,7 +1051,7 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
     seen = {"batch_bytes": int(batch_bytes or 0)}
     results = Results(rows=[], name=name, title=title, device=str(target or "host"),
                       batches=batches, warmup=warmup, compute_ms=compute_ms,
-                      machine=machine())
+                      max_seconds=max_seconds, machine=machine())
     runnable = [p for p in paths if _why_not(p, target, host_reason) is None]
     bar = _reporter if _reporter is not None else _Progress(
         len(runnable) * (1 + warmup + batches), enabled=progress, desc=name)
@@ -1035,7 +1065,7 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
             n0 = bar.n
             row = _run_path(path, loader_factory, target=target, batches=batches,
                             warmup=warmup, step=step, capacity=capacity, depth=depth,
-                            progress=bar, seen=seen)
+                            progress=bar, seen=seen, max_seconds=max_seconds)
             bar.skip(max(0, (1 + warmup + batches) - (bar.n - n0)))
             if not row.ok:
                 log.info("fastpin.bench: %s %s: %s", PATHS[path].label, row.status, row.reason)
@@ -1246,7 +1276,7 @@ def _case_room(w: Workload, workers: int, depth: int, target: Optional[torch.dev
 
 def run_case(w: Workload, *, workers: int, batches: int, warmup: int, device: Any,
              compute_ms: float, paths: Optional[Sequence[str]], depth: int = 2,
-             progress: bool = True) -> Results:
+             progress: bool = True, max_seconds: Optional[float] = None) -> Results:
     """One workload case through every path; the case is skipped (all rows, with
     the reason) when this machine has too little memory for it."""
     target, host_reason = _target(device)
@@ -1267,7 +1297,8 @@ def run_case(w: Workload, *, workers: int, batches: int, warmup: int, device: An
         res = compare(w.factory(dataset, workers, n_batches), paths=paths, batches=batches,
                       warmup=warmup, device=device, compute_ms=compute_ms,
                       capacity=_copy_arena_bytes(w, depth), batch_bytes=w.batch_bytes,
-                      depth=depth, progress=progress, name=w.name, title=title)
+                      depth=depth, progress=progress, name=w.name, title=title,
+                      max_seconds=max_seconds)
     finally:
         del dataset
         gc.collect()
@@ -1461,6 +1492,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="batches timed per path (default: each case's own, fewer without "
                              "a GPU; loader_images: 300, or 10 without a GPU)")
     parser.add_argument("--warmup", type=int, help="batches before timing starts (default: 3)")
+    parser.add_argument("--max-seconds", type=float, default=3.0,
+                        help="time budget of each path: it stops timing after this many "
+                             "seconds (at least 5 batches) even short of --batches, so the "
+                             "whole suite fits in a few minutes (default: 3; 0: no budget)")
     parser.add_argument("--compute-ms", type=float, default=0.0,
                         help="simulated compute per step in the workload cases, ms (default: 0)")
     parser.add_argument("--device", default="auto",
@@ -1550,6 +1585,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "machine": machine(),
         "settings": {"cases": names, "paths": paths, "workers": workers, "warmup": warmup,
                      "compute_ms": args.compute_ms, "device": str(target or "host"),
+                     "max_seconds": args.max_seconds,
                      "quick": quick},
         "order": names, "cases": [], "not_run_cases": {}, "failed_cases": {},
     }
@@ -1571,12 +1607,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         suite[key] = (step_table(batch_mb=64, steps=10) if quick
                                       else step_table())
                     else:
-                        suite[key] = loader_table(workers=lt_workers, batches=lt_batches)
+                        suite[key] = loader_table(workers=lt_workers, batches=lt_batches,
+                                                  max_seconds=args.max_seconds)
                 else:
                     for nw in workers:
                         res = run_case(CASES[name], workers=nw, batches=case_batches(CASES[name]),
                                        warmup=warmup, device=args.device,
-                                       compute_ms=args.compute_ms, paths=paths)
+                                       compute_ms=args.compute_ms, paths=paths,
+                                       max_seconds=args.max_seconds)
                         suite["cases"].append(res.to_dict())
             except Exception as exc:  # a case that breaks does not end the suite
                 log.debug("fastpin.bench: case %s failed", name, exc_info=True)

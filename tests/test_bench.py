@@ -206,6 +206,25 @@ def test_a_short_loader_is_reported():
     assert res["pageable"].status == "failed" and "warm-up" in res["pageable"].reason
 
 
+def test_time_budget_stops_a_path_early_and_says_so():
+    class Slow(Samples):
+        def __getitem__(self, i):
+            import time
+            time.sleep(0.005)
+            return super().__getitem__(i)
+
+    def make(pin_memory):
+        return DataLoader(Slow(), batch_size=BATCH, pin_memory=pin_memory)
+
+    res = bench.compare(make, paths=["pageable", "loader_host"], batches=40, warmup=1,
+                        device=None, progress=False, max_seconds=0.05)
+    for row in res.ran:
+        # At least 5 batches, short of the 40 asked for, and no "ran out" reason.
+        assert 5 <= row.batches < 40 and not row.reason
+    assert "or 0.05 s a path" in res.header()
+    assert bench.Results.from_dict(res.to_dict()).max_seconds == 0.05
+
+
 def test_a_failing_path_does_not_end_the_comparison(monkeypatch):
     def broken(batch, **kwargs):
         raise RuntimeError("pinning broke")
