@@ -2,7 +2,7 @@
 and each worker's time by step, for the suite's uint8 (or float32) image case.
 
     python benchmarks/profile_zero_copy.py --workers 8 15 [--batches 400]
-        [--dtype uint8|float32] [--device cuda|host] [--no-prefault] [--sample]
+        [--dtype uint8|float32] [--device cuda|host] [--no-prefault] [--sample] [--micro]
 
 Per run it prints delivered GB/s, main-process CPU per batch split by thread
 (/proc/self/task), the time per batch of each step the main process runs
@@ -244,6 +244,63 @@ def run(workers: int, batches: int, dtype: torch.dtype, device, prefault: bool,
             print(f"    {n / total:6.1%}  {chain}")
 
 
+def micro(nbytes: int = 38_537_216, reps: int = 300) -> None:
+    """Thread CPU of each call the Loader's thread makes per zero-copy batch in
+    device mode, in isolation: what the 'prepare' figure is made of."""
+    from fastpin import _C
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device)
+    arena = _C.Arena(4 * _C.block_size(nbytes), shared=True)
+    blocks = [arena.alloc(nbytes) for _ in range(2)]
+    keep = []
+
+    def timed(name, fn):
+        fn()
+        torch.cuda.synchronize()
+        c0 = time.thread_time()
+        for _ in range(reps):
+            fn()
+        dc = time.thread_time() - c0
+        torch.cuda.synchronize()
+        keep.clear()
+        print(f"    {name:44s} {dc / reps * 1e3:7.4f} ms")
+
+    def empty():
+        keep.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+        if len(keep) > 4:
+            keep.pop(0)
+
+    def context():
+        with torch.cuda.stream(stream):
+            pass
+
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def h2d():
+        _C.h2d(arena, stream.cuda_stream, [(buffer.data_ptr(), blocks[0].ptr, nbytes, True)])
+
+    def event():
+        e = torch.cuda.Event(blocking=True)
+        e.record(stream)
+        keep.append(e)
+
+    def views():  # the uint8 case: images, then 256 int64 labels
+        buffer[:nbytes - 2048].view(256, 3, 224, 224)
+        buffer[nbytes - 2048:].view(torch.int64)
+
+    print(f"  per-call thread CPU, {nbytes / 1e6:.1f} MB batch:")
+    timed("torch.cuda.stream(copy_stream) enter/exit", context)
+    timed("torch.empty(batch bytes) on the GPU", empty)
+    with torch.cuda.stream(stream):
+        timed("torch.empty under the copy stream", empty)
+    timed("_C.h2d, one pinned copy", h2d)
+    timed("torch.cuda.Event(blocking) + record", event)
+    timed("two leaf views of the buffer", views)
+    timed("arena.collect()", arena.collect)
+    timed("record_stream of the buffer", lambda: buffer.record_stream(torch.cuda.current_stream()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -253,6 +310,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "host")
     p.add_argument("--no-prefault", action="store_true")
     p.add_argument("--sample", action="store_true")
+    p.add_argument("--micro", action="store_true",
+                   help="also time each per-batch call of the Loader's thread alone (GPU)")
     args = p.parse_args()
     device = None if args.device == "host" else args.device
     _install_timers()
@@ -263,6 +322,8 @@ def main() -> None:
         except OSError:
             pass
     print(f"kernel {os.uname().release}, {os.cpu_count()} CPUs")
+    if args.micro and device is not None:
+        micro()
     for nw in args.workers:
         run(nw, args.batches, getattr(torch, args.dtype), device, not args.no_prefault, args.sample)
 

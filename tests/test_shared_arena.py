@@ -184,6 +184,16 @@ def test_attach_in_the_same_process():
     assert arena.is_valid() and w.is_valid()
 
 
+def test_prefault_only_maps_what_registration_made_resident():
+    """Unregistered (no GPU, or cuda=False), the pages do not exist yet: prefaulting
+    would allocate the whole arena in shared memory, so attach leaves it alone."""
+    arena = shared_arena(64 * MiB)
+    w = _C.Arena.attach(arena.fd)
+    before = os.fstat(arena.fd).st_blocks
+    assert not w.prefault() and not arena.prefault()
+    assert os.fstat(arena.fd).st_blocks == before  # nothing allocated
+
+
 def test_arenas_refuse_pickling():
     arena = shared_arena(MiB)
     with pytest.raises(TypeError, match="Arena.attach"):
