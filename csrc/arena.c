@@ -1392,6 +1392,8 @@ void fp_arena_test_lock(fp_arena_t *a) { fp_arena_lock(a); }
 
 void fp_arena_test_free_armed(fp_arena_t *a, uint32_t b) { fp_return_push(a->meta, b, 1); }
 
+void fp_arena_test_mark_resident(fp_arena_t *a) { fp_atomic_store_release(&a->meta->resident, 1u); }
+
 uint64_t fp_arena_test_block_size(fp_arena_t *a, uint32_t b)
 {
     fp_arena_meta_t *m = a->meta;

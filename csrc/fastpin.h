@@ -351,6 +351,9 @@ void fp_lease_decref(fp_lease_t *lease); /* any thread, any time */
 #ifdef FP_TEST
 /* Hooks for the C tests only (the Python build leaves them out). */
 void fp_arena_test_lock(fp_arena_t *arena); /* takes the lock, never gives it back */
+/* Says the arena's pages are resident, as registration does, so that
+ * attached processes prefault (the test makes the pages exist first). */
+void fp_arena_test_mark_resident(fp_arena_t *arena);
 /* Frees `block` as if an event had been recorded on it. */
 void fp_arena_test_free_armed(fp_arena_t *arena, uint32_t block);
 /* Fake events, for machines without a GPU: when set, the creator of an
