@@ -50,7 +50,9 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
+import traceback
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -396,6 +398,7 @@ class _Progress:
     def __init__(self, total: int, enabled: bool = True, desc: str = "fastpin.bench"):
         self.total, self.n, self.enabled, self.desc = total, 0, enabled, desc
         self.label = ""
+        self.start = time.monotonic()
         self.bar = None
         self._last = 0.0
         self._tty = enabled and hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
@@ -420,7 +423,7 @@ class _Progress:
         elif self._tty:
             self._draw(force=True)
         else:
-            self._write(f"[{self.n}/{self.total}] {label}")
+            self._write(f"[{self.n}/{self.total}, {time.monotonic() - self.start:.0f} s] {label}")
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -868,6 +871,31 @@ def _no_pin(loader: Any) -> Any:
     return loader
 
 
+# The command line sets it: after this many seconds on one path, print every
+# thread's stack to stderr (a path that hangs says where), then carry on waiting.
+_hang_report_s: Optional[float] = None
+
+
+def _hang_watch(path: str) -> Optional[threading.Timer]:
+    if not _hang_report_s:
+        return None
+
+    def report():
+        names = {t.ident: t.name for t in threading.enumerate()}
+        lines = [f"fastpin.bench: {PATHS[path].label} has run for {_hang_report_s:g} s; "
+                 "the stack of every thread follows\n"]
+        for ident, frame in sys._current_frames().items():
+            lines.append(f"-- thread {names.get(ident, ident)}\n")
+            lines.extend(traceback.format_stack(frame))
+        sys.stderr.write("".join(lines))
+        sys.stderr.flush()
+
+    timer = threading.Timer(_hang_report_s, report)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optional[torch.device],
               batches: int, warmup: int, step: Optional[Callable[[Any], Any]],
               capacity: int, depth: int, progress: _Progress,
@@ -886,6 +914,7 @@ def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optiona
     cuda = fastpin.cuda_available()
     dev_index = target.index if target is not None else 0
     consumer = torch.cuda.current_stream(target) if target is not None else None
+    watch = _hang_watch(path)
     try:
         t0 = time.perf_counter()
         if path == "pageable":
@@ -992,6 +1021,8 @@ def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optiona
         row = Row(path, status="failed", reason=f"{type(exc).__name__}: {exc}")
         return row
     finally:
+        if watch is not None:
+            watch.cancel()
         if feed is not None:
             feed.close()
         feed = floader = arena = None
@@ -1506,6 +1537,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="pin_sizes: batch sizes in MB (default: 1 16 256)")
     parser.add_argument("--seconds", type=float,
                         help="pin_sizes: least time spent timing each cell (default: 0.5)")
+    parser.add_argument("--hang-report", type=float, default=300.0, metavar="SECONDS",
+                        help="a workload path still running after this long prints every "
+                             "thread's stack to stderr, then goes on (default: 300; 0: never)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PATH",
                         help="also draw the workload cases (PNG; needs matplotlib: "
@@ -1549,6 +1583,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             out(f"\nPlot: {args.plot}")
         return 0
 
+    global _hang_report_s
+    _hang_report_s = args.hang_report or None
     gpu, _ = _gpu()
     cpus = _C.cpu_count()
     names = list(CASE_NAMES) if not args.case or "all" in args.case else \
@@ -1627,6 +1663,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         _reporter.close()
         _reporter = None
+        _hang_report_s = None
     summary = _not_run(suite)
     if summary:
         out()

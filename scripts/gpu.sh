@@ -25,7 +25,8 @@ if [ "$what" = all ] || [ "$what" = test ]; then
     step python3 -m pytest -q -p no:cacheprovider tests
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-    step python3 -m fastpin.bench --no-progress "$@" --json "$OUT/bench.json"
+    # No --no-progress: one line per stage, with the seconds since the start, in the log.
+    step python3 -m fastpin.bench "$@" --json "$OUT/bench.json"
 fi
 if [ "$what" = profile ]; then
     step env PYTHONPATH="$PWD" python3 benchmarks/profile_zero_copy.py "$@"

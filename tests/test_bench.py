@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zlib
@@ -225,6 +226,25 @@ def test_time_budget_stops_a_path_early_and_says_so():
     assert bench.Results.from_dict(res.to_dict()).max_seconds == 0.05
 
 
+def test_a_path_running_too_long_prints_every_stack(monkeypatch, capsys):
+    class Slow(Samples):
+        def __getitem__(self, i):
+            import time
+            time.sleep(0.02)
+            return super().__getitem__(i)
+
+    def make(pin_memory):
+        return DataLoader(Slow(), batch_size=BATCH, pin_memory=pin_memory)
+
+    monkeypatch.setattr(bench, "_hang_report_s", 0.1)
+    res = bench.compare(make, paths=["pageable"], batches=5, warmup=1, device=None,
+                        progress=False)
+    assert res["pageable"].ok and res["pageable"].batches == 5
+    err = capsys.readouterr().err
+    assert "pageable .to() has run for 0.1 s" in err
+    assert "-- thread MainThread" in err and "__getitem__" in err
+
+
 def test_a_failing_path_does_not_end_the_comparison(monkeypatch):
     def broken(batch, **kwargs):
         raise RuntimeError("pinning broke")
@@ -265,8 +285,9 @@ def test_plain_counter_without_tqdm(monkeypatch, capsys):
     bench.compare(factory(), paths=["pageable", "loader_host"], batches=2, warmup=0,
                   device=None, progress=True, name="counted")
     err = capsys.readouterr().err
-    assert "[0/6] counted: pageable .to()" in err
-    assert "[3/6] counted: Loader(device=None)" in err
+    # One line a stage, with the steps done and the seconds since the start.
+    assert re.search(r"^\[0/6, \d+ s\] counted: pageable \.to\(\)$", err, re.M)
+    assert re.search(r"^\[3/6, \d+ s\] counted: Loader\(device=None\)$", err, re.M)
 
 
 def test_no_progress_writes_nothing(capsys):
