@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -207,18 +208,26 @@ def test_a_short_loader_is_reported():
     assert res["pageable"].status == "failed" and "warm-up" in res["pageable"].reason
 
 
-def test_time_budget_stops_a_path_early_and_says_so():
-    class Slow(Samples):
-        def __getitem__(self, i):
-            import time
-            time.sleep(0.005)
-            return super().__getitem__(i)
+class SlowSamples(Samples):
+    """Samples that take `delay` seconds each to load."""
 
+    def __init__(self, delay):
+        self.delay = delay
+
+    def __getitem__(self, i):
+        time.sleep(self.delay)
+        return super().__getitem__(i)
+
+
+def slow_factory(delay):
     def make(pin_memory):
-        return DataLoader(Slow(), batch_size=BATCH, pin_memory=pin_memory)
+        return DataLoader(SlowSamples(delay), batch_size=BATCH, pin_memory=pin_memory)
+    return make
 
-    res = bench.compare(make, paths=["pageable", "loader_host"], batches=40, warmup=1,
-                        device=None, progress=False, max_seconds=0.05)
+
+def test_time_budget_stops_a_path_early_and_says_so():
+    res = bench.compare(slow_factory(0.005), paths=["pageable", "loader_host"], batches=40,
+                        warmup=1, device=None, progress=False, max_seconds=0.05)
     for row in res.ran:
         # At least 5 batches, short of the 40 asked for, and no "ran out" reason.
         assert 5 <= row.batches < 40 and not row.reason
@@ -227,18 +236,9 @@ def test_time_budget_stops_a_path_early_and_says_so():
 
 
 def test_a_path_running_too_long_prints_every_stack(monkeypatch, capsys):
-    class Slow(Samples):
-        def __getitem__(self, i):
-            import time
-            time.sleep(0.02)
-            return super().__getitem__(i)
-
-    def make(pin_memory):
-        return DataLoader(Slow(), batch_size=BATCH, pin_memory=pin_memory)
-
     monkeypatch.setattr(bench, "_hang_report_s", 0.1)
-    res = bench.compare(make, paths=["pageable"], batches=5, warmup=1, device=None,
-                        progress=False)
+    res = bench.compare(slow_factory(0.02), paths=["pageable"], batches=5, warmup=1,
+                        device=None, progress=False)
     assert res["pageable"].ok and res["pageable"].batches == 5
     err = capsys.readouterr().err
     assert "pageable .to() has run for 0.1 s" in err
