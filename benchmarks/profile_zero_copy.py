@@ -179,8 +179,7 @@ def run(workers: int, batches: int, dtype: torch.dtype, device, prefault: bool,
     dataset = w.make()
     make = w.factory(dataset, workers, batches + warmup + 4)
     loader = make(False)
-    ahead = (loader.prefetch_factor or 2) * workers
-    capacity = -(-fastpin._C.block_size(w.batch_bytes) * (ahead + 2 + 6) // bench.MB) * bench.MB
+    capacity = -(-_zerocopy.capacity_for(loader, w.batch_bytes, depth=2) // bench.MB) * bench.MB
     floader = fastpin.Loader(loader, device=device, zero_copy=True, capacity=capacity)
     it = iter(floader)
     t_start = time.perf_counter()

@@ -30,6 +30,7 @@ from . import _C, _numa
 from ._arena import cuda_available, default_arena, device_index
 from ._pin import pin_memory
 from ._walk import map_leaves
+from ._walk import nbytes as batch_nbytes
 
 log = logging.getLogger("fastpin")
 
@@ -323,10 +324,11 @@ class _Producer:
 
     def warn_full(self, batch) -> None:
         """Once per Loader: a worker found the shared arena full; say what fits."""
-        nbytes = self.nbytes(batch)
-        loader = self.loader
-        ahead = (loader.prefetch_factor or 2) * max(loader.num_workers, 1)
-        need = _C.block_size(max(nbytes, 1)) * (ahead + self.depth + 6)
+        from . import _zerocopy
+
+        nbytes = batch_nbytes(batch)
+        ahead = _zerocopy.batches_ahead(self.loader)
+        need = _zerocopy.capacity_for(self.loader, nbytes, self.depth)
         log.warning(
             "fastpin.Loader(zero_copy=True): a DataLoader worker found the shared arena full "
             "(%.0f MB) and collated a batch of %.1f MB the ordinary way; such batches are "
@@ -335,19 +337,8 @@ class _Producer:
             "depth and the batches you keep: for this DataLoader give it capacity=%d "
             "(%.0f MB) or more.", self.arena.capacity / 1e6, nbytes / 1e6, ahead, need, need / 1e6)
 
-    def nbytes(self, batch) -> int:
-        torch = self.torch
-        total = 0
-
-        def add(x):
-            nonlocal total
-            total += x.numel() * x.element_size() if isinstance(x, torch.Tensor) else x.nbytes
-
-        map_leaves(batch, lambda x: isinstance(x, (torch.Tensor, np.ndarray)), add)
-        return total
-
     def count(self, batch) -> None:
-        nbytes = self.nbytes(batch)
+        nbytes = batch_nbytes(batch)
         with self.stats.lock:
             self.stats.batches += 1
             self.stats.bytes += nbytes

@@ -7,6 +7,32 @@ import dataclasses
 from typing import Any, Callable
 
 
+def nbytes(data: Any) -> int:
+    """Bytes of every tensor and ndarray leaf of a nested batch (without
+    rebuilding it: callers count every batch)."""
+    import numpy as np
+    import torch
+
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    if isinstance(data, np.ndarray):
+        return data.nbytes
+    if isinstance(data, dict):
+        return sum(nbytes(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return sum(nbytes(v) for v in data)
+    if isinstance(data, (str, bytes, int, float)) or data is None:
+        return 0
+    total = 0
+
+    def add(leaf):
+        nonlocal total
+        total += nbytes(leaf)
+
+    map_leaves(data, lambda v: isinstance(v, (torch.Tensor, np.ndarray)), add)
+    return total
+
+
 def map_leaves(data: Any, is_leaf: Callable[[Any], bool], fn: Callable[[Any], Any]) -> Any:
     """Rebuild `data` with fn applied to every object is_leaf accepts.
 

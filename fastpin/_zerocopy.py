@@ -247,6 +247,19 @@ class _WorkerCollate:
         return _Shipped(self.token, block.index, block.nbytes, shipped, block)
 
 
+def batches_ahead(loader) -> int:
+    """Batches a DataLoader's workers hold at once (num_workers x prefetch_factor;
+    one when it collates in this process)."""
+    return (loader.prefetch_factor or 2) * loader.num_workers if loader.num_workers else 1
+
+
+def capacity_for(loader, batch_bytes: int, depth: int) -> int:
+    """Bytes of shared arena that zero-copy over `loader` needs for batches of
+    `batch_bytes`: the workers' batches in flight, the Loader's depth, and 6 more
+    (one being copied, copies queued on the bus, slack), each block its size class."""
+    return _C.block_size(max(batch_bytes, 1)) * (batches_ahead(loader) + depth + 6)
+
+
 def wrap_collate(collate_fn: Optional[Callable], arena: _C.Arena) -> _WorkerCollate:
     if collate_fn is default_collate:
         collate_fn = None
@@ -275,9 +288,9 @@ def adopted(batch: Any) -> Any:
 
 
 def receive(batch: Any, consumer_stream: Any = None) -> tuple:
-    """(batch with tensors over the adopted block, True), or (batch, False) for a
-    batch that came the ordinary way (a worker fell back)."""
-    batch = adopted(batch)
+    """For a batch as adopted() gives it: (batch with tensors over the adopted
+    block, True), or (batch, False) for a batch that came the ordinary way (a
+    worker fell back)."""
     if not isinstance(batch, _Adopted):
         return batch, False
     block = batch.block

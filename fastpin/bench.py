@@ -55,11 +55,13 @@ import time
 import traceback
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
-import numpy as np
 import torch
 
 import fastpin
 from fastpin import _C
+from fastpin._walk import map_leaves
+from fastpin._walk import nbytes as batch_nbytes
+from fastpin._zerocopy import capacity_for
 
 __all__ = ["CASES", "PATHS", "Results", "Row", "compare", "main", "plot"]
 
@@ -305,11 +307,10 @@ def loader_table(workers=(8, 15), batches: int = 300, batch_size: int = 256,
             timed: list = []  # batches each path timed
             row["stock_gbps"], row["stock_cpu_ms"] = measure(make(), gpu)
             _progress(f"  {dtype_name} {nw} workers: pin_memory=True done")
-            # Room for the workers' prefetch (2 x workers), depth 2 and 6 more.
-            capacity = max(1 << 30, _C.block_size(batch_bytes) * (2 * nw + 8))
-            fastpin.configure(capacity=capacity)
             dl = make()
             dl.pin_memory = False
+            capacity = max(1 << 30, capacity_for(dl, batch_bytes, depth=2))  # Loader's depth
+            fastpin.configure(capacity=capacity)
             row["copy_gbps"], row["copy_cpu_ms"] = measure(fastpin.Loader(dl, device=device), False)
             _progress(f"  {dtype_name} {nw} workers: fastpin.Loader done")
             dl = make()
@@ -731,33 +732,8 @@ class Results:
 # ---- measuring one path ------------------------------------------------------------
 
 def _to_device(batch: Any, device: torch.device) -> Any:
-    from ._walk import map_leaves
-
     return map_leaves(batch, lambda x: isinstance(x, torch.Tensor),
                       lambda x: x.to(device, non_blocking=True))
-
-
-def _nbytes(x: Any) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, np.ndarray):
-        return x.nbytes
-    if isinstance(x, dict):
-        return sum(_nbytes(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(v) for v in x)
-    if isinstance(x, (str, bytes, int, float)) or x is None:
-        return 0
-    from ._walk import map_leaves
-
-    total = 0
-
-    def add(leaf):
-        nonlocal total
-        total += _nbytes(leaf)
-
-    map_leaves(x, lambda v: isinstance(v, (torch.Tensor, np.ndarray)), add)
-    return total
 
 
 def _shutdown(it: Any) -> None:
@@ -802,8 +778,6 @@ class _SideStreamPrefetcher:
 
 
 def _record_stream(batch: Any, stream: Any) -> None:
-    from ._walk import map_leaves
-
     map_leaves(batch, lambda x: isinstance(x, torch.Tensor) and x.is_cuda,
                lambda x: x.record_stream(stream))
 
@@ -941,8 +915,7 @@ def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optiona
                 return row
             # Room for every batch the workers have in flight, or they fall back.
             batch_bytes = (seen or {}).get("batch_bytes", 0)
-            ahead = (loader.prefetch_factor or 2) * loader.num_workers if loader.num_workers else 1
-            need = -(-_C.block_size(batch_bytes) * (ahead + depth + 6) // MB) * MB
+            need = -(-capacity_for(loader, batch_bytes, depth) // MB) * MB
             floader = fastpin.Loader(loader, device=target, depth=depth, zero_copy=True,
                                      capacity=max(capacity, need))
             if not floader.zero_copy:
@@ -979,7 +952,7 @@ def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optiona
         t1, c1 = time.perf_counter(), time.process_time()
         largest = 0
         for batch in feed:
-            size = _nbytes(batch)
+            size = batch_nbytes(batch)
             nbytes += size
             largest = max(largest, size)
             if step is not None:
