@@ -544,6 +544,17 @@ static void test_detach(void)
     fp_arena_decref(a);
 }
 
+/* In a forked child: tells the parent it is ready (one byte on `fd`), then
+ * waits to be killed. */
+static _Noreturn void ready_then_wait(int fd)
+{
+    char c = 1;
+    if (write(fd, &c, 1) != 1)
+        _exit(12);
+    for (;;)
+        pause();
+}
+
 /* A worker killed with blocks (some already freed onto the return stack):
  * reclaim frees the rest once the worker is reaped, and nothing twice. */
 static void test_reclaim_killed(void)
@@ -563,11 +574,7 @@ static void test_reclaim_killed(void)
         }
         fp_arena_free(w, b[1], NULL); /* on the return stack when it dies */
         fp_arena_free(w, b[4], NULL);
-        char c = 1;
-        if (write(ready[1], &c, 1) != 1)
-            _exit(12);
-        for (;;)
-            pause();
+        ready_then_wait(ready[1]);
     }
     char c;
     read_exact(ready[0], &c, 1);
@@ -612,11 +619,7 @@ static void test_lock_owner_dies(void)
         if (fp_arena_alloc(w, 3000, &b, &q) != FP_OK)
             _exit(11);
         fp_arena_test_lock(w);
-        char c = 1;
-        if (write(ready[1], &c, 1) != 1)
-            _exit(12);
-        for (;;)
-            pause();
+        ready_then_wait(ready[1]);
     }
     char c;
     read_exact(ready[0], &c, 1);
