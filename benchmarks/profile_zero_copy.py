@@ -6,7 +6,7 @@ and each worker's time by step, for the suite's uint8 (or float32) image case.
 
 Per run it prints delivered GB/s, main-process CPU per batch split by thread
 (/proc/self/task), the time per batch of each step the main process runs
-(DataLoader's own next, adoption, the Loader's prepare and to_device, the
+(DataLoader's own next, adoption, the Loader's prepare, block_to_device and issue, the
 consumer's next), and the workers' time per batch (fetch, collate, pack, the
 rest) with their minor page faults. --sample adds a statistical profile of
 the producer thread (its innermost frames, sampled every millisecond); it
@@ -81,6 +81,7 @@ def _install_timers():
     _zerocopy.receive = timers.wrap("receive (from_dlpack)", _zerocopy.receive)
     _loader._Producer.prepare = timers.wrap("prepare (all)", _loader._Producer.prepare)
     _loader._Producer.to_device = timers.wrap("to_device", _loader._Producer.to_device)
+    _loader._Producer.issue = timers.wrap("issue (h2d, event)", _loader._Producer.issue)
     _loader._Producer.block_to_device = timers.wrap("block_to_device",
                                                     _loader._Producer.block_to_device)
     _zerocopy.adopted = timers.wrap("adopted", _zerocopy.adopted)

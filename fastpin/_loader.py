@@ -252,8 +252,12 @@ class _Producer:
         try:
             if self.copy_stream is not None:
                 # Before any other CUDA call of this thread: a new thread's
-                # current device is 0, which this Loader must not touch.
+                # current device is 0, which this Loader must not touch. The
+                # copy stream is this thread's current stream from here on, so
+                # device memory made here is allocated under it (the consumer's
+                # stream is added by record_stream when a batch is handed over).
                 self.torch.cuda.set_device(self.device)
+                self.torch.cuda.set_stream(self.copy_stream)
             # This thread copies its share of every batch (the pool helps).
             _numa.pin_this_thread(self.placement)
             while not self.stop.is_set():
@@ -349,10 +353,8 @@ class _Producer:
         the view). None: a leaf this path cannot take; use the ordinary one."""
         from . import _zerocopy
 
-        torch = self.torch
         block = batch.block
-        with torch.cuda.stream(self.copy_stream):
-            buffer = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
+        buffer = self.torch.empty(block.nbytes, dtype=self.torch.uint8, device=self.device)
         tree = _zerocopy.device_views(batch, buffer)
         if tree is None:
             return None
@@ -360,13 +362,13 @@ class _Producer:
         # copy: its event is recorded there when the Block dies, at return.
         block.consumer_stream = self.copy_stream.cuda_stream
         copies = [(buffer.data_ptr(), block.ptr, block.nbytes, True)] if block.nbytes else []
-        return self.to_device(tree, copies=copies, made=[buffer])
+        return tree, self.issue(copies, []), [buffer]
 
-    def to_device(self, batch, copies=None, made=None):
+    def to_device(self, batch):
         torch = self.torch
-        copies = copies or []  # (dst address, src address, nbytes, src is pinned)
+        copies = []   # (dst address, src address, nbytes, src is pinned)
         keep = []     # (destination, the source it reads)
-        made = made or []  # every device tensor made here, for record_stream later
+        made = []     # every device tensor made here, for record_stream later
 
         def leaf(x):
             if isinstance(x, np.ndarray):
@@ -374,15 +376,13 @@ class _Producer:
                     return x
                 x = torch.from_numpy(np.ascontiguousarray(x))
             if x.device == self.device:
-                return x  # there already (a zero-copy batch's views)
+                return x  # there already
             if x.device.type != "cpu":
                 moved = x.to(self.device, non_blocking=True)
                 made.append(moved)
                 return moved
             if not x.is_contiguous() or x.is_conj() or x.is_neg():
                 x = x.contiguous().resolve_conj().resolve_neg()
-            # Allocated under the copy stream (the caller's `with`): the
-            # consumer's stream is added by record_stream when it is handed over.
             dst = torch.empty(x.shape, dtype=x.dtype, device=self.device)
             made.append(dst)
             nbytes = x.numel() * x.element_size()
@@ -391,33 +391,40 @@ class _Producer:
                 keep.append((dst, x))
             return dst
 
-        with torch.cuda.stream(self.copy_stream):
-            out = map_leaves(batch, lambda x: isinstance(x, (torch.Tensor, np.ndarray)), leaf)
-            try:
-                # Pinned sources alone need no staging: no arena to make for them.
-                staging = self.arena if all(c[3] for c in copies) else self.staging()
-                _C.h2d(staging, self.copy_stream.cuda_stream, copies)
-            except _C.ArenaFullError:
-                # Live pinned batches fill the arena: copy from pageable memory,
-                # slower, never stuck. Copies already queued stay valid.
-                for dst, src in keep:
-                    dst.copy_(src)
-                with self.stats.lock:
-                    self.stats.fallbacks += 1
-            # Blocking: a wait on it below sleeps instead of spinning a core.
-            event = torch.cuda.Event(blocking=True)
-            event.record(self.copy_stream)
-        while self.in_flight and self.in_flight[0][0].query():
-            self.in_flight.pop(0)
-        self.in_flight.append((event, keep))
-        if len(self.in_flight) > self.depth + 1:
+        out = map_leaves(batch, lambda x: isinstance(x, (torch.Tensor, np.ndarray)), leaf)
+        return out, self.issue(copies, keep), made
+
+    def issue(self, copies: list, keep: list):
+        """Queue the copies on the copy stream (this thread's current stream) and
+        return the event the consumer waits on. `keep`: (destination, source)
+        pairs to copy from pageable memory should the arena have no room."""
+        torch = self.torch
+        try:
+            # Pinned sources alone need no staging: no arena to make for them.
+            staging = self.arena if all(c[3] for c in copies) else self.staging()
+            _C.h2d(staging, self.copy_stream.cuda_stream, copies)
+        except _C.ArenaFullError:
+            # Live pinned batches fill the arena: copy from pageable memory,
+            # slower, never stuck. Copies already queued stay valid.
+            for dst, src in keep:
+                dst.copy_(src)
+            with self.stats.lock:
+                self.stats.fallbacks += 1
+        # Blocking: a wait on it below sleeps instead of spinning a core.
+        event = torch.cuda.Event(blocking=True)
+        event.record(self.copy_stream)
+        in_flight = self.in_flight
+        while in_flight and in_flight[0][0].query():
+            in_flight.pop(0)
+        in_flight.append((event, keep))
+        if len(in_flight) > self.depth + 1:
             # The bus is behind: queue no further ahead of it. Every copy queued
             # keeps its source block (and its batch's device memory) held.
-            self.in_flight.pop(0)[0].synchronize()
+            in_flight.pop(0)[0].synchronize()
         with self.stats.lock:
             self.stats.batches += 1
             self.stats.bytes += sum(c[2] for c in copies)
-        return out, event, made
+        return event
 
     def shutdown(self) -> None:
         """Stop the thread and drop what it prepared; safe from any thread."""

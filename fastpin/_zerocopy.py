@@ -16,6 +16,7 @@ died before its batch arrived are reclaimed at the end of the epoch.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
@@ -318,14 +319,16 @@ def device_views(batch: "_Adopted", buffer: torch.Tensor) -> Optional[Any]:
     """The batch's tree with each leaf a view of `buffer`, a device tensor of the
     block's bytes that one copy fills; None when a leaf has a NumPy dtype torch
     does not know (the caller then takes the ordinary path, which says so)."""
-    refs = []
-    map_leaves(batch.tree, lambda x: isinstance(x, _Ref), refs.append)
-    if any(_torch_dtype(r) is None for r in refs):
-        return None
+    unknown = False
 
-    def view(ref: _Ref) -> torch.Tensor:
+    def view(ref: _Ref) -> Optional[torch.Tensor]:
+        nonlocal unknown
         dtype = _torch_dtype(ref)
-        nbytes = int(np.prod(ref.shape, dtype=np.int64)) * dtype.itemsize
+        if dtype is None:
+            unknown = True
+            return None
+        nbytes = math.prod(ref.shape) * dtype.itemsize
         return buffer[ref.offset:ref.offset + nbytes].view(dtype).view(ref.shape)
 
-    return map_leaves(batch.tree, lambda x: isinstance(x, _Ref), view)
+    tree = map_leaves(batch.tree, lambda x: isinstance(x, _Ref), view)
+    return None if unknown else tree

@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import gc
+import io
 import json
 import logging
 import os
@@ -850,13 +852,26 @@ def _no_pin(loader: Any) -> Any:
 _hang_report_s: Optional[float] = None
 
 
-def _hang_watch(path: str) -> Optional[threading.Timer]:
-    if not _hang_report_s:
-        return None
+class _HangWatch:
+    """After _hang_report_s on one path, every thread's stack, named, to stderr.
+    That report needs the GIL; should a call hold it while stuck, faulthandler's
+    own thread dumps the stacks at twice the time without it."""
 
-    def report():
+    def __init__(self, path: str, seconds: float):
+        self.timer = threading.Timer(seconds, self.report, (path, seconds))
+        self.timer.daemon = True
+        self.timer.start()
+        self.dumping = False
+        try:
+            faulthandler.dump_traceback_later(2 * seconds, file=sys.stderr)
+            self.dumping = True
+        except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+            pass  # stderr with no file descriptor (captured): the timer alone
+
+    @staticmethod
+    def report(path: str, seconds: float) -> None:
         names = {t.ident: t.name for t in threading.enumerate()}
-        lines = [f"fastpin.bench: {PATHS[path].label} has run for {_hang_report_s:g} s; "
+        lines = [f"fastpin.bench: {PATHS[path].label} has run for {seconds:g} s; "
                  "the stack of every thread follows\n"]
         for ident, frame in sys._current_frames().items():
             lines.append(f"-- thread {names.get(ident, ident)}\n")
@@ -864,10 +879,14 @@ def _hang_watch(path: str) -> Optional[threading.Timer]:
         sys.stderr.write("".join(lines))
         sys.stderr.flush()
 
-    timer = threading.Timer(_hang_report_s, report)
-    timer.daemon = True
-    timer.start()
-    return timer
+    def cancel(self) -> None:
+        self.timer.cancel()
+        if self.dumping:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def _hang_watch(path: str) -> Optional[_HangWatch]:
+    return _HangWatch(path, _hang_report_s) if _hang_report_s else None
 
 
 def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optional[torch.device],
@@ -1512,7 +1531,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="pin_sizes: least time spent timing each cell (default: 0.5)")
     parser.add_argument("--hang-report", type=float, default=300.0, metavar="SECONDS",
                         help="a workload path still running after this long prints every "
-                             "thread's stack to stderr, then goes on (default: 300; 0: never)")
+                             "thread's stack to stderr (and again, from faulthandler, at twice "
+                             "the time), then goes on (default: 300; 0: never)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PATH",
                         help="also draw the workload cases (PNG; needs matplotlib: "

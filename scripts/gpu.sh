@@ -3,6 +3,7 @@
 # and torch, then run what is asked, writing everything under $OUT (default ./out).
 #   bash scripts/gpu.sh              build, C tests, pytest (GPU tests included), benchmark
 #   bash scripts/gpu.sh test         build, C tests, pytest
+#   bash scripts/gpu.sh test FILES   build, pytest FILES (no C tests)
 #   bash scripts/gpu.sh bench ARGS   build, python -m fastpin.bench ARGS --json $OUT/bench.json
 #   bash scripts/gpu.sh profile ARGS build, benchmarks/profile_zero_copy.py ARGS
 set -uo pipefail
@@ -20,7 +21,9 @@ python3 -c 'import torch, numpy; print("torch", torch.__version__, "numpy", nump
 status=0
 step() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
 step env FASTPIN_WERROR=1 python3 setup.py -q build_ext --inplace
-if [ "$what" = all ] || [ "$what" = test ]; then
+if [ "$what" = test ] && [ $# -gt 0 ]; then
+    step python3 -m pytest -q -p no:cacheprovider "$@"
+elif [ "$what" = all ] || [ "$what" = test ]; then
     step make -C tests/c test
     step python3 -m pytest -q -p no:cacheprovider tests
 fi

@@ -245,6 +245,17 @@ def test_a_path_running_too_long_prints_every_stack(monkeypatch, capsys):
     assert "-- thread MainThread" in err and "__getitem__" in err
 
 
+def test_a_path_stuck_holding_the_gil_still_gets_its_stacks_dumped(monkeypatch, capfd):
+    # The named report needs the GIL; faulthandler's dump, at twice the time, does not.
+    monkeypatch.setattr(bench, "_hang_report_s", 0.05)
+    res = bench.compare(slow_factory(0.03), paths=["pageable"], batches=5, warmup=1,
+                        device=None, progress=False)
+    assert res["pageable"].ok
+    err = capfd.readouterr().err
+    assert "pageable .to() has run for 0.05 s" in err
+    assert re.search(r"Timeout \(0:00:00\.1\d*\)!", err) and "in __getitem__" in err
+
+
 def test_a_failing_path_does_not_end_the_comparison(monkeypatch):
     def broken(batch, **kwargs):
         raise RuntimeError("pinning broke")
