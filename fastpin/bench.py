@@ -575,7 +575,7 @@ class Row:
     step_ms: Optional[float] = None        # wall time per step, compute included
     cpu_ms: Optional[float] = None         # main-process CPU time per batch
     pinned_mb: Optional[float] = None      # page-locked memory held by the path
-    pool_peak_mb: Optional[float] = None   # peak of it in use
+    pool_peak_mb: Optional[float] = None   # peak of it in use (fastpin's arenas only)
     first_batch_s: Optional[float] = None  # loader made -> first batch ready
     fallbacks: Optional[int] = None        # batches pinned the ordinary way (fastpin)
 
@@ -819,19 +819,19 @@ def _host_compute(ms: float) -> Callable[[Any], None]:
     return lambda batch: time.sleep(ms / 1e3)
 
 
-def _torch_pinned(gpu: bool, reset: bool = False) -> tuple:
-    """(held, in use) peaks of torch's pinned-memory cache, bytes; reset first."""
+def _torch_pinned(gpu: bool, reset: bool = False) -> Optional[int]:
+    """Bytes torch's pinned-memory cache holds now; with reset, empty it first.
+    The cache keeps every block it made until emptied, so at the end of a path
+    this is what the path left page-locked. (Its "peak" figures are sums of
+    per-size-bucket peaks, not a peak of memory in use: not reported.)"""
     if not gpu:
-        return 0, 0
+        return 0
     try:
         if reset:
             torch.accelerator.empty_host_cache()
-            torch.cuda.reset_peak_host_memory_stats()
-            return 0, 0
-        s = torch.cuda.host_memory_stats()
-        return s.get("allocated_bytes.peak", 0), s.get("active_bytes.peak", 0)
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
     except (AttributeError, RuntimeError):  # an older torch
-        return None, None
+        return None
 
 
 def _settle(gpu: bool) -> None:
@@ -995,7 +995,7 @@ def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optiona
         row.cpu_ms = cpu / n * 1e3
         if n < batches and not _out_of_time(t1, n, max_seconds):
             row.reason = f"the loader ran out after {n} of {batches} batches"
-        held, used = _torch_pinned(gpu)
+        held, used = _torch_pinned(gpu), None
         if arena is not None:
             s = arena.stats()
             held = (held or 0) + (arena.capacity if arena.registered else 0)
