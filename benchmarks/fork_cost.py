@@ -53,7 +53,12 @@ def main() -> None:
     show("+ CUDA initialised (one tensor on the GPU)")
     arena = _C.Arena(1 << 30, cuda=fastpin.cuda_available())
     show(f"+ a 1 GiB fastpin arena (registered: {arena.registered})")
-    del arena, data
+    shared = _C.Arena(1 << 30, shared=True, cuda=fastpin.cuda_available())
+    show(f"+ a 1 GiB shared (memfd) arena (registered: {shared.registered})")
+    pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    pinned.fill_(1)
+    show("+ 1 GiB pinned by torch (cudaHostAlloc)")
+    del arena, shared, pinned, data
 
 
 if __name__ == "__main__":

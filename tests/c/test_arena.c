@@ -351,6 +351,46 @@ static void test_shared_fork(void)
     fp_arena_decref(a);
 }
 
+/* A private arena across fork: its pages are shared with the child, not
+ * copied (fork would copy every page-locked page of a private mapping at
+ * once), so the child reads what the parent writes after the fork; but the
+ * child may not allocate in it, and its attempt leaves the parent's blocks be. */
+static void test_private_fork(void)
+{
+    fp_arena_t *a = make(1 << 20, 0, FP_ARENA_NO_CUDA);
+    EXPECT(fp_arena_fd(a) < 0);
+    uint32_t b;
+    void *p;
+    EXPECT(fp_arena_alloc(a, 30000, &b, &p) == FP_OK);
+    fill(p, 30000, 41);
+    int go[2];
+    EXPECT(pipe(go) == 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        char c;
+        int seen = read(go[0], &c, 1) == 1 && check(p, 30000, 42);
+        uint32_t cb;
+        void *cp;
+        int refused = fp_arena_alloc(a, 1000, &cb, &cp) == FP_EINVAL &&
+                      strstr(fp_error_message(), "forked") != NULL;
+        _exit(seen && refused ? 0 : 1 + !seen + 2 * !refused);
+    }
+    fill(p, 30000, 42); /* after the fork: a copied page would not show it */
+    EXPECT(write(go[1], "x", 1) == 1);
+    int wstatus;
+    EXPECT(waitpid(pid, &wstatus, 0) == pid && WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0);
+    fp_arena_stats_t s;
+    fp_arena_stats(a, &s);
+    EXPECT(s.blocks_in_use == 1 && s.failed == 0);
+    EXPECT(check(p, 30000, 42));
+    fp_arena_free(a, b, NULL);
+    fp_arena_collect(a);
+    EXPECT(fp_arena_is_valid(a));
+    close(go[0]);
+    close(go[1]);
+    fp_arena_decref(a);
+}
+
 /* ---- processes: attach, adopt, reclaim, recover ------------------------ */
 
 /* Sanitized builds run the process tests shorter: each fork is slow there. */
@@ -979,6 +1019,7 @@ int main(void)
     test_cross_thread_free();
     test_lease_outlives_arena();
     test_shared_fork();
+    test_private_fork();
     test_attach_adopt();
     test_detach();
     test_reclaim_killed();
