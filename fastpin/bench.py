@@ -823,13 +823,17 @@ def _host_compute(ms: float) -> Callable[[Any], None]:
 def _torch_pinned(gpu: bool, reset: bool = False) -> Optional[int]:
     """Bytes torch's pinned-memory cache holds now; with reset, empty it first.
     The cache keeps every block it made until emptied, so at the end of a path
-    this is what the path left page-locked. (Its "peak" figures are sums of
-    per-size-bucket peaks, not a peak of memory in use: not reported.)"""
+    this is what the path left page-locked (with any block an earlier path left
+    that torch would not release). Its "peak" figures are sums of per-size-bucket
+    peaks, not a peak of memory in use: not reported."""
     if not gpu:
         return 0
     try:
         if reset:
-            torch.accelerator.empty_host_cache()
+            empty = getattr(torch.accelerator, "empty_host_cache", None) or \
+                getattr(torch._C, "_host_emptyCache", None)
+            if empty is not None:
+                empty()
         return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
     except (AttributeError, RuntimeError):  # an older torch
         return None
@@ -998,11 +1002,10 @@ def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optiona
         row.cpu_ms = cpu / n * 1e3
         if n < batches and not _out_of_time(t1, n, max_seconds):
             row.reason = f"the loader ran out after {n} of {batches} batches"
-        held, used = _torch_pinned(gpu), None
-        if arena is not None:
-            s = arena.stats()
-            held = (held or 0) + (arena.capacity if arena.registered else 0)
-            used = s["high_water"]
+        if arena is None:   # torch's paths: its pinned cache, as the path left it
+            held, used = _torch_pinned(gpu), None
+        else:               # fastpin's: its page-locked arena (torch pinned nothing)
+            held, used = (arena.capacity if arena.registered else 0), arena.stats()["high_water"]
         row.pinned_mb = None if held is None else held / MB
         row.pool_peak_mb = None if used is None else used / MB
         if PATHS[path].fastpin:

@@ -140,8 +140,8 @@ def test_every_path_delivers_to_the_gpu():
 
 @gpu
 def test_pinned_memory_held_is_each_paths_own():
-    # torch's pinned cache is emptied before every path: a fastpin path after
-    # pin_memory=True holds its own arena and nothing of torch's.
+    # A fastpin path after pin_memory=True counts its own arena, not what
+    # torch's pinned cache still holds.
     res = bench.compare(factory(2), paths=["pin_memory", "loader_cuda"], batches=4, warmup=1,
                         device="cuda", capacity=64 << 20, progress=False)
     assert res["pin_memory"].pinned_mb * bench.MB >= BATCH_BYTES
