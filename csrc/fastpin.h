@@ -3,8 +3,11 @@
  *   fp_cuda      process-wide table of CUDA driver entry points, loaded at
  *                run time from libcuda.so.1 (cuda.c). No driver: the rest
  *                still works, memory is simply not page-locked.
- *   fp_arena_t   one region of host memory (private mmap or memfd), registered
- *                with CUDA once by the process that created it (arena.c).
+ *   fp_arena_t   one region of host memory (an anonymous shared mapping, or
+ *                a memfd other processes can map), registered with CUDA once
+ *                by the process that created it (arena.c). Shared in both
+ *                cases so fork() copies no page-locked page; a forked child
+ *                may read a private arena but not allocate in it.
  *                A shared arena is also mapped by worker processes, which
  *                attach through its memfd, fill blocks and hand them over:
  *                the creator adopts them. Workers never touch CUDA.
