@@ -23,9 +23,13 @@ __all__ = [
 
 def stats() -> dict:
     """Counters of fastpin.pin_memory / collate (batches, leaves, bytes, fallbacks)
-    and of the default arena (bytes in use, high-water, blocks per class, ...)."""
+    and of the current GPU's default arena (bytes in use, high-water, blocks per
+    class, ...), or "arena": None before anything made it: reading stats
+    page-locks nothing."""
+    from ._arena import made_default_arena
     from ._pin import counters
-    return {**counters(), "arena": default_arena().stats()}
+    arena = made_default_arena()
+    return {**counters(), "arena": None if arena is None else arena.stats()}
 
 
 def __getattr__(name):

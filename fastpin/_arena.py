@@ -213,6 +213,14 @@ def make_placed_arena(capacity: int, index: int, **kwargs) -> _C.Arena:
     return arena
 
 
+def made_default_arena(device: Any = None) -> Optional[_C.Arena]:
+    """The default arena of `device` if this process has made it, else None:
+    unlike default_arena(), it makes (and page-locks) nothing."""
+    if _arena_pid != os.getpid():
+        return None
+    return _arenas.get(device_index(device))
+
+
 def default_arena(device: Any = None) -> _C.Arena:
     """The arena fastpin.pin_memory uses for `device` (see device_index: None is
     the current GPU), made (and page-locked) on first use. Each GPU has its own,

@@ -503,6 +503,7 @@ def test_full_arena_falls_back(small_arena):
 
 
 def test_counters_count_batches_leaves_and_bytes(arena):
+    fastpin.default_arena()  # its counters are in stats() once it exists
     before = fastpin.stats()
     batch = [patterned((100,), torch.int64, 1), patterned((3,), np.uint8, 2), "x",
              patterned((0,), torch.float32, 3)]

@@ -47,6 +47,24 @@ def test_refused_registration_names_limit_and_fix(monkeypatch):
         fastpin.configure(allow_unpinned=False)
 
 
+def test_reading_stats_makes_no_arena():
+    # A 1 GiB page-locked arena as a side effect of reading counters would be
+    # memory the OS cannot page out, for nothing.
+    r = run_script("""
+        import fastpin
+        from fastpin import _arena
+        s = fastpin.stats()
+        assert s["arena"] is None and s["batches"] == 0, s
+        assert not _arena._arenas
+        fastpin.pin_memory({"x": __import__("numpy").arange(1000) * 3})
+        s = fastpin.stats()
+        assert s["batches"] == 1 and s["arena"]["high_water"] > 0, s
+        print("ok")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
 def test_forked_child_uses_fastpin_afresh():
     # The parent pins (pool threads started, arena made), then forks: the
     # child has no copy threads or CUDA context of its own and starts anew.
