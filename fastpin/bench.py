@@ -61,7 +61,6 @@ import torch
 
 import fastpin
 from fastpin import _C
-from fastpin._pin import counters as _pin_counters
 from fastpin._walk import map_leaves
 from fastpin._walk import nbytes as batch_nbytes
 from fastpin._zerocopy import capacity_for
@@ -903,9 +902,7 @@ def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optiona
     arena: Any = None
     floader: Any = None
     feed: Any = None
-    # fastpin's counters alone: fastpin.stats() would make (and page-lock) the
-    # default arena as a side effect.
-    fallbacks0 = _pin_counters()["fallbacks"]
+    fallbacks0 = fastpin.stats()["fallbacks"]
     # torch's own paths measure torch's pinning, even after fastpin.install().
     reinstall = path in ("pin_memory", "prefetcher") and fastpin.installed()
     if reinstall:
@@ -1009,7 +1006,7 @@ def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optiona
         row.pinned_mb = None if held is None else held / MB
         row.pool_peak_mb = None if used is None else used / MB
         if PATHS[path].fastpin:
-            row.fallbacks = _pin_counters()["fallbacks"] - fallbacks0
+            row.fallbacks = fastpin.stats()["fallbacks"] - fallbacks0
             if floader is not None:
                 st = floader.stats()
                 row.fallbacks += st["fallbacks"]
