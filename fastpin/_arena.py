@@ -213,12 +213,16 @@ def make_placed_arena(capacity: int, index: int, **kwargs) -> _C.Arena:
     return arena
 
 
+def _made(index: int) -> Optional[_C.Arena]:
+    """This process's default arena of GPU `index`, if it made one (those a
+    forked child inherited are its parent's)."""
+    return _arenas.get(index) if _arena_pid == os.getpid() else None
+
+
 def made_default_arena(device: Any = None) -> Optional[_C.Arena]:
     """The default arena of `device` if this process has made it, else None:
     unlike default_arena(), it makes (and page-locks) nothing."""
-    if _arena_pid != os.getpid():
-        return None
-    return _arenas.get(device_index(device))
+    return _made(device_index(device))
 
 
 def default_arena(device: Any = None) -> _C.Arena:
@@ -228,10 +232,9 @@ def default_arena(device: Any = None) -> _C.Arena:
     fresh ones: the parent's registration does not cross fork."""
     global _arena, _arena_pid
     index = device_index(device)
-    if _arena_pid == os.getpid():
-        arena = _arenas.get(index)
-        if arena is not None:
-            return arena
+    arena = _made(index)
+    if arena is not None:
+        return arena
     with _lock:
         if _arena_pid != os.getpid():
             _arenas.clear()
