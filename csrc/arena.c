@@ -14,7 +14,8 @@
  * are per process and live beside it in fp_arena_t.
  *
  * A block a GPU copy may still read is not freed at once: fp_arena_free
- * records an event on the consumer stream and pushes the block onto a
+ * records its event (a fence over the whole context, fp_cuda_fence, or one
+ * stream for blocks only fastpin's copies read) and pushes the block onto a
  * lock-free return stack. The allocator drains that stack into a FIFO
  * pending list and frees each block whose event has completed.
  *
@@ -72,9 +73,11 @@ typedef struct fp_block_s {
     uint32_t state;     /* FP_BLOCK_*; under lock */
     uint32_t cls;       /* class of the request, for stats; under lock */
     int32_t owner;      /* pid that allocated it, 0 once adopted; under lock */
-    uint32_t armed;     /* 1 when an event was recorded at free: only home may
-                           retire it. Written by the freeing thread before it
-                           publishes the block, read under lock after a drain */
+    uint32_t armed;     /* FP_FENCE_*: RECORDED when an event was recorded at
+                           free, DEFERRED when home must still record it (a
+                           graph capture was under way); only home may retire
+                           either. Written by the freeing thread before it
+                           publishes the block, then under lock by home */
     uint32_t leased;    /* atomic; 1 while a lease in the owner holds it (not
                            adoptable), cleared by fp_lease_detach */
 } fp_block_t;
@@ -450,6 +453,13 @@ static int fp_event_done(fp_arena_t *a, uint32_t b, int home)
     /* Armed without CUDA happens only through the test hook: nothing waits. */
     if (!a->registered)
         return 1;
+    if (a->meta->blocks[b].armed == FP_FENCE_DEFERRED) {
+        /* Freed during a graph capture: fence now, if the capture is over.
+         * Later than the free, so it covers every copy queued before it. */
+        uint32_t fence = (uint32_t)fp_cuda_fence(a->ctx, a->events[b]);
+        a->meta->blocks[b].armed = fence;
+        return fence == FP_FENCE_NONE;
+    }
     /* Anything but NOT_READY (an error included) means the GPU no longer
      * reads the block: an errored context will never run the copy. */
     return fp_cuda.cuEventQuery(a->events[b]) != FP_CUDA_ERROR_NOT_READY;
@@ -999,6 +1009,18 @@ int fp_arena_alloc(fp_arena_t *a, uint64_t size, uint32_t *block, void **ptr)
                                   m->blocks_pending);
             goto done;
         }
+        if (m->blocks[m->pending_head].armed == FP_FENCE_DEFERRED) {
+            /* Its fence waits for a graph capture to end: no event to wait
+             * on yet, and the capturing thread may be this one. */
+            m->failed++;
+            status = fp_error_set(FP_ENOMEM,
+                                  "the arena is full: asked for %llu bytes, %llu of its %llu bytes "
+                                  "are held by blocks freed while a CUDA graph capture is under "
+                                  "way, reusable once it ends",
+                                  (unsigned long long)size, (unsigned long long)m->bytes_in_use,
+                                  (unsigned long long)m->capacity);
+            goto done;
+        }
         /* Only blocks still read by the GPU stand in the way: wait for the
          * oldest outside the lock. Its event stays valid meanwhile: the
          * block is reused only after home retires it under the lock. */
@@ -1045,14 +1067,23 @@ static void fp_return_push(fp_arena_meta_t *m, uint32_t b, uint32_t armed)
     } while (!fp_atomic_cas_weak_release(&m->returned, &head, b));
 }
 
+/* The block's event on one stream: for blocks only fastpin's copies read. */
+static uint32_t fp_arena_record(fp_arena_t *a, uint32_t b, fp_cu_stream_t stream)
+{
+    if (fp_cuda.cuCtxPushCurrent(a->ctx) != FP_CUDA_SUCCESS)
+        return FP_FENCE_NONE;
+    fp_cu_result_t r = fp_cuda.cuEventRecord(a->events[b], stream);
+    fp_cu_context_t popped;
+    FP_CU_IGNORE(cuCtxPopCurrent(&popped));
+    return r == FP_CUDA_SUCCESS ? FP_FENCE_RECORDED : FP_FENCE_NONE;
+}
+
 void fp_arena_free(fp_arena_t *a, uint32_t b, fp_cu_stream_t consumer)
 {
-    uint32_t armed = 0;
-    if (consumer && fp_arena_cuda(a) && fp_cuda.cuCtxPushCurrent(a->ctx) == FP_CUDA_SUCCESS) {
-        armed = fp_cuda.cuEventRecord(a->events[b], consumer) == FP_CUDA_SUCCESS;
-        fp_cu_context_t popped;
-        FP_CU_IGNORE(cuCtxPopCurrent(&popped));
-    }
+    uint32_t armed = FP_FENCE_NONE;
+    if (consumer && fp_arena_cuda(a))
+        armed = consumer == FP_STREAM_ANY ? (uint32_t)fp_cuda_fence(a->ctx, a->events[b])
+                                          : fp_arena_record(a, b, consumer);
     fp_return_push(a->meta, b, armed);
 }
 
@@ -1290,9 +1321,8 @@ static fp_lease_t *fp_lease_new(fp_arena_t *a, uint32_t b, char *ptr, uint64_t s
     lease->block = b;
     lease->ptr = ptr;
     lease->size = size;
-    /* The legacy default stream waits for all work on blocking streams,
-     * PyTorch's default stream included: a safe default consumer. */
-    lease->consumer = fp_arena_cuda(a) ? FP_CU_STREAM_LEGACY : NULL;
+    /* Any stream of the device may copy from a block the user holds. */
+    lease->consumer = fp_arena_cuda(a) ? FP_STREAM_ANY : NULL;
     return lease;
 }
 

@@ -48,6 +48,10 @@ static void fp_cuda_load_once(void)
     }
     FP_CUDA_ENTRY_POINTS(FP_CUDA_LOAD)
 #undef FP_CUDA_LOAD
+#define FP_CUDA_LOAD_OPTIONAL(name, sym, params) \
+    fp_cuda.name = (fp_##name##_fn)dlsym(lib, sym);
+    FP_CUDA_OPTIONAL_ENTRY_POINTS(FP_CUDA_LOAD_OPTIONAL)
+#undef FP_CUDA_LOAD_OPTIONAL
 
     fp_cuda.cuDriverGetVersion(&fp_cuda.driver_version);
     fp_cu_result_t r = fp_cuda.cuInit(0);
@@ -119,4 +123,69 @@ void fp_cuda_context_release(int ordinal)
     fp_cu_device_t dev;
     if (fp_cuda.cuDeviceGet(&dev, ordinal) == FP_CUDA_SUCCESS)
         FP_CU_IGNORE(cuDevicePrimaryCtxRelease(dev));
+}
+
+/* ---- free fences ------------------------------------------------------- */
+
+/* Captures under way in this process. Writers (capture begin/end) are rare;
+ * readers are frees, which hold it only across one driver call, so a capture
+ * cannot begin between a fence's check and its record. */
+static pthread_rwlock_t fp_capture_lock = PTHREAD_RWLOCK_INITIALIZER;
+static int fp_capture_count; /* under fp_capture_lock */
+
+void fp_cuda_capture_begin(void)
+{
+    pthread_rwlock_wrlock(&fp_capture_lock);
+    fp_capture_count++;
+    pthread_rwlock_unlock(&fp_capture_lock);
+}
+
+void fp_cuda_capture_end(void)
+{
+    pthread_rwlock_wrlock(&fp_capture_lock);
+    if (fp_capture_count > 0)
+        fp_capture_count--;
+    pthread_rwlock_unlock(&fp_capture_lock);
+}
+
+int fp_cuda_captures(void)
+{
+    pthread_rwlock_rdlock(&fp_capture_lock);
+    int n = fp_capture_count;
+    pthread_rwlock_unlock(&fp_capture_lock);
+    return n;
+}
+
+int fp_cuda_fence_any(void) { return fp_cuda.cuCtxRecordEvent != NULL; }
+
+/* The legacy default stream: torch's default stream and every blocking
+ * stream, not the non-blocking ones torch hands out for side streams. */
+static int fp_cuda_fence_legacy(fp_cu_context_t ctx, fp_cu_event_t event)
+{
+    if (fp_cuda.cuCtxPushCurrent(ctx) != FP_CUDA_SUCCESS)
+        return FP_FENCE_NONE;
+    fp_cu_result_t r = fp_cuda.cuEventRecord(event, FP_CU_STREAM_LEGACY);
+    fp_cu_context_t popped;
+    FP_CU_IGNORE(cuCtxPopCurrent(&popped));
+    return r == FP_CUDA_SUCCESS ? FP_FENCE_RECORDED : FP_FENCE_NONE;
+}
+
+int fp_cuda_fence(fp_cu_context_t ctx, fp_cu_event_t event)
+{
+    if (!fp_cuda.cuCtxRecordEvent)
+        return fp_cuda_fence_legacy(ctx, event);
+    int fence = FP_FENCE_DEFERRED;
+    pthread_rwlock_rdlock(&fp_capture_lock);
+    if (!fp_capture_count) {
+        /* Takes the context as an argument: nothing to push. */
+        fp_cu_result_t r = fp_cuda.cuCtxRecordEvent(ctx, event);
+        if (r == FP_CUDA_SUCCESS)
+            fence = FP_FENCE_RECORDED;
+        else if (r != FP_CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+            /* A capture fastpin was not told of comes back here, deferred;
+             * any other failure gets the narrower fence rather than none. */
+            fence = fp_cuda_fence_legacy(ctx, event);
+    }
+    pthread_rwlock_unlock(&fp_capture_lock);
+    return fence;
 }

@@ -18,9 +18,11 @@
  *                     indices only, so the metadata can live in shared memory.
  *   fp_lease_t   a reference-counted hold on one allocated block; Python
  *                objects and DLPack exports each hold one. The last release
- *                records an event on the consumer stream and hands the block
- *                back through the arena's return stack (deferred free), unless
- *                the block was detached for another process to adopt.
+ *                records the block's free event (a fence over every stream
+ *                of its device, or one stream fastpin's own copies use) and
+ *                hands the block back through the arena's return stack
+ *                (deferred free), unless the block was detached for another
+ *                process to adopt.
  *   fp_copier_t  a pool of pthreads that does large memcpy in chunks (copier.c)
  *
  * NUMA: an arena may be created with a node, whose memory it prefers
@@ -72,6 +74,7 @@ typedef struct CUevent_st *fp_cu_event_t;
 #define FP_CUDA_SUCCESS 0
 #define FP_CUDA_ERROR_NOT_READY 600
 #define FP_CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED 712
+#define FP_CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED 900
 #define FP_CU_MEMHOSTREGISTER_PORTABLE 0x01
 #define FP_CU_STREAM_NON_BLOCKING 0x1
 #define FP_CU_EVENT_DISABLE_TIMING 0x2
@@ -122,9 +125,16 @@ enum {
       (fp_cu_deviceptr_t dst, const void *src, size_t bytes,                  \
        fp_cu_stream_t stream))
 
+/* Entry points newer drivers have; NULL in the table where the driver lacks
+ * them, and the core then does without (see fp_cuda_fence). */
+#define FP_CUDA_OPTIONAL_ENTRY_POINTS(X)                                      \
+    X(cuCtxRecordEvent, "cuCtxRecordEvent",                                   \
+      (fp_cu_context_t ctx, fp_cu_event_t event))
+
 #define FP_CUDA_TYPEDEF(name, sym, params) \
     typedef fp_cu_result_t(*fp_##name##_fn) params;
 FP_CUDA_ENTRY_POINTS(FP_CUDA_TYPEDEF)
+FP_CUDA_OPTIONAL_ENTRY_POINTS(FP_CUDA_TYPEDEF)
 #undef FP_CUDA_TYPEDEF
 
 typedef struct fp_cuda_s {
@@ -134,6 +144,7 @@ typedef struct fp_cuda_s {
     char reason[256];   /* why the state is not READY, for users */
 #define FP_CUDA_FIELD(name, sym, params) fp_##name##_fn name;
     FP_CUDA_ENTRY_POINTS(FP_CUDA_FIELD)
+    FP_CUDA_OPTIONAL_ENTRY_POINTS(FP_CUDA_FIELD)
 #undef FP_CUDA_FIELD
 } fp_cuda_t;
 
@@ -151,6 +162,34 @@ int fp_cuda_error(fp_cu_result_t r, const char *what);
  * it; pair with fp_cuda_context_release. */
 int fp_cuda_context_retain(int ordinal, fp_cu_context_t *ctx);
 void fp_cuda_context_release(int ordinal);
+
+/* Free fences. A block handed to the user may be read by a copy queued on
+ * any stream of its device, named or not (a prefetcher's side stream, an
+ * ExternalStream), and torch records no event for memory it did not
+ * allocate. So a block's free event is recorded on the whole context
+ * (cuCtxRecordEvent, CUDA 12.5 and later): it completes once every stream
+ * has passed the work queued before the free. Returns how the block's event
+ * stands (fp_block_t.armed):
+ *   FP_FENCE_NONE      nothing recorded: nothing can be waited for (the
+ *                      context has failed: it runs no copy either)
+ *   FP_FENCE_RECORDED  `event` completes after every stream's work so far
+ *   FP_FENCE_DEFERRED  a CUDA graph capture is under way, which a context
+ *                      event would invalidate: the owner records it later
+ *                      (fp_cuda_fence again), before the block is reused
+ * Without cuCtxRecordEvent the event goes on the legacy default stream,
+ * which covers blocking streams only (fp_cuda_fence_any says which). Any
+ * thread, the GIL not needed. */
+enum { FP_FENCE_NONE = 0, FP_FENCE_RECORDED = 1, FP_FENCE_DEFERRED = 2 };
+int fp_cuda_fence(fp_cu_context_t ctx, fp_cu_event_t event);
+/* 1 when fp_cuda_fence covers every stream of the context (the driver has
+ * cuCtxRecordEvent), else 0. */
+int fp_cuda_fence_any(void);
+/* Brackets a CUDA graph capture in this process (fastpin/_graphs.py calls
+ * them around torch's): while one is under way, fences are deferred. They
+ * nest and may come from any thread. */
+void fp_cuda_capture_begin(void);
+void fp_cuda_capture_end(void);
+int fp_cuda_captures(void); /* captures under way now */
 
 /* The check trio (after NCCL's checks.h): return the status, or store it in
  * `status` and jump to `label`, or ignore the result (cleanup paths). The
@@ -271,9 +310,13 @@ int fp_arena_alloc(fp_arena_t *arena, uint64_t size, uint32_t *block,
                    void **ptr);
 
 /* Deferred free, callable from any thread, never blocks on the allocator:
- * records the block's event on `consumer` (when CUDA is in use; NULL means
- * no GPU work can read the block) and pushes the block onto the return
- * stack, which the next allocation drains. */
+ * records the block's event (when CUDA is in use) and pushes the block onto
+ * the return stack, which the next allocation drains. `consumer` says what
+ * may still read the block: NULL nothing on the GPU; FP_STREAM_ANY any
+ * stream of the arena's device (a fence, fp_cuda_fence: what every block
+ * the user can see gets); or one stream, for blocks only fastpin's own
+ * copies read (staging chunks, a zero-copy block copied whole). */
+#define FP_STREAM_ANY ((fp_cu_stream_t)(~(uintptr_t)0))
 void fp_arena_free(fp_arena_t *arena, uint32_t block, fp_cu_stream_t consumer);
 
 /* Returns completed blocks to the free lists now (drain + event query). Only
@@ -332,7 +375,8 @@ typedef struct fp_lease_s {
     uint32_t block;          /* descriptor index in the arena */
     char *ptr;               /* first byte of the block */
     uint64_t size;           /* bytes the caller asked for */
-    fp_cu_stream_t consumer; /* stream an event is recorded on at free */
+    fp_cu_stream_t consumer; /* what may read the block at free, as for
+                                fp_arena_free: FP_STREAM_ANY by default */
 } fp_lease_t;
 
 /* Allocates a block and wraps it; the caller owns one reference. */

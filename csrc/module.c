@@ -324,13 +324,17 @@ static PyObject *Block_detach(BlockObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-/* The stream whose work must finish before the block is reused: an int
- * handle (0: the legacy default stream), or None when no GPU reads it. */
+/* What must finish before the block is reused: "any" (every stream of the
+ * arena's device: the default, and what a user may see), an int handle of
+ * the one stream fastpin's own copies read it on (0: the legacy default
+ * stream), or None when no GPU reads it. Returns a new reference. */
 static PyObject *Block_get_consumer(BlockObject *self, void *Py_UNUSED(c))
 {
     fp_cu_stream_t s = self->lease->consumer;
     if (!s)
         Py_RETURN_NONE;
+    if (s == FP_STREAM_ANY)
+        return PyUnicode_FromString("any");
     return PyLong_FromVoidPtr(s == FP_CU_STREAM_LEGACY ? NULL : (void *)s);
 }
 
@@ -340,12 +344,24 @@ static int Block_set_consumer(BlockObject *self, PyObject *value, void *Py_UNUSE
         self->lease->consumer = NULL;
         return 0;
     }
-    void *s = PyLong_AsVoidPtr(value);
-    if (!s && PyErr_Occurred())
-        return -1;
+    fp_cu_stream_t stream;
+    if (PyUnicode_Check(value)) {
+        if (PyUnicode_CompareWithASCIIString(value, "any") != 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "consumer_stream must be 'any', a stream handle (int) or None, not %R",
+                         value);
+            return -1;
+        }
+        stream = FP_STREAM_ANY;
+    } else {
+        void *s = PyLong_AsVoidPtr(value);
+        if (!s && PyErr_Occurred())
+            return -1;
+        stream = s ? (fp_cu_stream_t)s : FP_CU_STREAM_LEGACY;
+    }
     if (!fp_arena_registered(self->lease->arena))
         return 0; /* nothing to wait for without CUDA */
-    self->lease->consumer = s ? (fp_cu_stream_t)s : FP_CU_STREAM_LEGACY;
+    self->lease->consumer = stream;
     return 0;
 }
 
@@ -370,7 +386,8 @@ static PyGetSetDef Block_getset[] = {
     {"nbytes", (getter)Block_get_nbytes, NULL, "bytes asked for", NULL},
     {"index", (getter)Block_get_index, NULL, "descriptor index in the arena", NULL},
     {"consumer_stream", (getter)Block_get_consumer, (setter)Block_set_consumer,
-     "stream an event is recorded on when the block is released", NULL},
+     "what the block's free event covers: 'any' stream of its device, one stream "
+     "handle, or None", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -792,9 +809,39 @@ static PyObject *fp_cuda_status(PyObject *module, PyObject *Py_UNUSED(ignored))
     state = fp_cuda_load();
     Py_END_ALLOW_THREADS
     static const char *names[] = {"no_driver", "no_device", "ready"};
-    return Py_BuildValue("{sssssisi}", "state", names[state], "reason", fp_cuda.reason,
+    return Py_BuildValue("{sssssisisO}", "state", names[state], "reason", fp_cuda.reason,
                          "driver_version", fp_cuda.driver_version, "device_count",
-                         fp_cuda.device_count);
+                         fp_cuda.device_count, "fence_any",
+                         state == FP_CUDA_READY && fp_cuda_fence_any() ? Py_True : Py_False);
+}
+
+/* The rwlock may be held by a free for one driver call: wait without the GIL. */
+static PyObject *fp_capture_begin_py(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    (void)module;
+    Py_BEGIN_ALLOW_THREADS
+    fp_cuda_capture_begin();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *fp_capture_end_py(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    (void)module;
+    Py_BEGIN_ALLOW_THREADS
+    fp_cuda_capture_end();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *fp_captures_py(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    (void)module;
+    int n;
+    Py_BEGIN_ALLOW_THREADS
+    n = fp_cuda_captures();
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(n);
 }
 
 static PyObject *fp_set_threads(PyObject *module, PyObject *arg)
@@ -1009,6 +1056,10 @@ static PyMethodDef fp_methods[] = {
      "arena blocks of `chunk` bytes (0: 8 MiB, or a quarter of a smaller arena)."},
     {"cuda_status", fp_cuda_status, METH_NOARGS,
      "The CUDA driver's state: {'state': 'ready' | 'no_device' | 'no_driver', 'reason', ...}."},
+    {"capture_begin", fp_capture_begin_py, METH_NOARGS,
+     "A CUDA graph capture begins in this process: free fences wait until it ends."},
+    {"capture_end", fp_capture_end_py, METH_NOARGS, "A capture announced by capture_begin ended."},
+    {"captures", fp_captures_py, METH_NOARGS, "Captures under way (capture_begin not yet ended)."},
     {"set_threads", fp_set_threads, METH_O, "Size of the copy pool (0: the default)."},
     {"get_threads", fp_get_threads, METH_NOARGS, "Size of the copy pool."},
     {"block_size", fp_block_size, METH_O,

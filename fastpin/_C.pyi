@@ -46,6 +46,7 @@ class _CudaStatus(TypedDict):
     reason: str
     driver_version: int
     device_count: int
+    fence_any: bool  # free fences cover every stream (the driver has cuCtxRecordEvent)
 
 @final
 class Block:
@@ -59,7 +60,7 @@ class Block:
     @property
     def index(self) -> int:
         """The block's number in its arena (what a worker ships to the main process)."""
-    consumer_stream: int | None
+    consumer_stream: int | str | None  # 'any', a stream handle, or None
     def dlpack(
         self,
         offset: int,
@@ -157,6 +158,10 @@ def h2d(
     stream (a raw handle), staging pageable sources through the arena."""
 
 def cuda_status() -> _CudaStatus: ...
+def capture_begin() -> None:
+    """A CUDA graph capture begins in this process: free fences wait until it ends."""
+def capture_end() -> None: ...
+def captures() -> int: ...
 def set_threads(n: int, /) -> None: ...
 def get_threads() -> int: ...
 def set_affinity(cpus: Sequence[int] | None, /) -> None:

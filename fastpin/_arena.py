@@ -25,18 +25,24 @@ def _env_int(name: str, default: int) -> int:
 
 
 class CudaStatus(NamedTuple):
-    """What fastpin found of CUDA: state is 'ready', 'no_device' or 'no_driver'."""
+    """What fastpin found of CUDA: state is 'ready', 'no_device' or 'no_driver'.
+    fence_any: a block is reused only after copies on every stream of its
+    device are done (the driver has cuCtxRecordEvent, CUDA 12.5+); False on
+    older drivers, whose fence covers the default stream (and the stream named
+    to pin_memory) alone."""
 
     state: str
     reason: str
     driver_version: int
     device_count: int
+    fence_any: bool = False
 
 
 def cuda_status() -> CudaStatus:
     """The CUDA driver's state, with the reason when it is not usable."""
     s = _C.cuda_status()
-    return CudaStatus(s["state"], s["reason"], s["driver_version"], s["device_count"])
+    return CudaStatus(s["state"], s["reason"], s["driver_version"], s["device_count"],
+                      s["fence_any"])
 
 
 def cuda_available() -> bool:
@@ -177,6 +183,9 @@ def make_arena(capacity: int, **kwargs) -> _C.Arena:
     """A new arena, page-locked when a GPU is present. Where the driver refuses
     to page-lock it, the error names the size, the locked-memory limit and the
     fixes; with allow_unpinned, a warning and an arena of ordinary memory."""
+    from . import _graphs
+
+    _graphs.watch()  # before any block of a registered arena can be freed
     try:
         return _C.Arena(capacity, **kwargs)
     except _C.CudaError as e:

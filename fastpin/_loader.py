@@ -26,7 +26,7 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from . import _C, _numa
+from . import _C, _graphs, _numa
 from ._arena import cuda_available, default_arena, device_index
 from ._pin import pin_memory
 from ._walk import map_leaves
@@ -123,6 +123,7 @@ class Loader:
             self._check_arena(arena)
         self._placement = _numa.for_device(self._index if self._index >= 0 else None)
         _numa.pin_threads(self._placement)
+        _graphs.watch()  # the blocks this Loader hands out are fenced on free
         self._active: Optional[weakref.ref] = None
         if zero_copy:
             self._setup_zero_copy(arena, capacity)
@@ -300,8 +301,10 @@ class _Producer:
                 out = self.block_to_device(batch)
                 if out is not None:
                     return out
-            consumer = self.copy_stream if self.copy_stream is not None else self.consumer_stream
-            batch, adopted = _zerocopy.receive(batch, getattr(consumer, "cuda_stream", None))
+            # Read only by the copy stream here; in host mode the user gets the
+            # block, so its fence keeps covering every stream (the default).
+            consumer = getattr(self.copy_stream, "cuda_stream", None)
+            batch, adopted = _zerocopy.receive(batch, consumer)
             if not adopted:
                 with self.stats.lock:
                     self.stats.fallbacks += 1

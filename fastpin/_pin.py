@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _C
+from . import _C, _graphs
 from ._arena import cuda_available, default_arena, policy
 from ._dtypes import torch_carrier
 from ._walk import map_leaves
@@ -132,6 +132,18 @@ def _torch_pin(t):
     return t.pin_memory()
 
 
+_fence_any_state = None
+
+
+def _fence_any() -> bool:
+    """Whether a block's free fence covers every stream (the driver has
+    cuCtxRecordEvent); remembered, the driver does not change."""
+    global _fence_any_state
+    if _fence_any_state is None:
+        _fence_any_state = bool(_C.cuda_status().get("fence_any"))
+    return _fence_any_state
+
+
 class _Fallback(Exception):
     """The policy says: pin this batch the ordinary way."""
 
@@ -191,13 +203,19 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     GPU either way. Non-contiguous inputs come back contiguous
     (dense permuted layouts such as channels_last keep their strides).
 
-    The block is reused only after its tensors are gone and the GPU work queued
-    before that on the default stream has finished, so a non_blocking copy from
-    it is safe on the default stream. Copies issued on another stream: name it
-    with `stream` (a torch.cuda.Stream or a raw handle).
+    The block is reused only after its tensors are gone and every GPU copy
+    queued before that, on any stream of the device, has finished (a fence over
+    the device's whole context), so a non_blocking copy from it is safe on
+    whatever stream it is issued: the default one, a prefetcher's side stream,
+    an ExternalStream. `stream` (a torch.cuda.Stream or a raw handle) is needed
+    only with a driver older than CUDA 12.5, whose fence covers the default
+    stream alone (fastpin.cuda_status().fence_any is False there): name the
+    stream your copies run on.
 
     on_full overrides fastpin.configure(on_full=...) for this call: "fallback",
     "wait" or "raise" (see configure)."""
+    if not _graphs.watching:
+        _graphs.watch()
     if on_full is not None and on_full not in ("fallback", "wait", "raise"):
         raise ValueError(f"on_full must be 'fallback', 'wait' or 'raise', not {on_full!r}")
     torch = sys.modules.get("torch")
@@ -230,7 +248,8 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
                 leaf.how = _TORCH
             pinned = []
             _count(fallbacks=1)
-        if block is not None and stream is not None:
+        if block is not None and stream is not None and not _fence_any():
+            # An old driver fences the default stream alone: add the one named.
             block.consumer_stream = getattr(stream, "cuda_stream", stream)
     results = iter(offsets)
 

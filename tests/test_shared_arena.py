@@ -334,7 +334,7 @@ def test_workers_fill_a_registered_arena():
     p.join(WAIT)
     for k, (index, nbytes, _pid) in enumerate(out):
         block = arena.adopt(index, nbytes)
-        assert block.consumer_stream == 0  # the legacy default stream
+        assert block.consumer_stream == "any"  # a fence over every stream of the device
         t = torch.from_dlpack(block)
         assert t.is_pinned()
         assert np.array_equal(t.to("cuda").cpu().numpy(), pattern(21, k, nbytes))

@@ -732,6 +732,53 @@ static void test_armed_pending(void)
     fp_arena_decref(a);
 }
 
+/* Capture bookkeeping from many threads at once (TSan checks the lock), and,
+ * where a GPU is present, a block freed during a capture: its fence waits for
+ * the capture to end, the arena says so rather than wait, and after the end
+ * the block is fenced and reused. */
+static void *capture_main(void *arg)
+{
+    (void)arg;
+    for (int i = 0; i < 20000; i++) {
+        fp_cuda_capture_begin();
+        if (fp_cuda_captures() < 1)
+            return (void *)1;
+        fp_cuda_capture_end();
+    }
+    return NULL;
+}
+
+static void test_capture_fence(void)
+{
+    pthread_t t[6];
+    for (int i = 0; i < 6; i++)
+        pthread_create(&t[i], NULL, capture_main, NULL);
+    for (int i = 0; i < 6; i++) {
+        void *r;
+        pthread_join(t[i], &r);
+        EXPECT(r == NULL);
+    }
+    EXPECT(fp_cuda_captures() == 0);
+    fp_cuda_capture_end(); /* one end too many stays at zero */
+    EXPECT(fp_cuda_captures() == 0);
+    if (fp_cuda_load() != FP_CUDA_READY)
+        return;
+    fp_arena_t *a = make(1 << 20, 0, 0);
+    EXPECT(fp_arena_registered(a));
+    uint32_t b;
+    void *p;
+    EXPECT(fp_arena_alloc(a, 1 << 20, &b, &p) == FP_OK);
+    fp_cuda_capture_begin();
+    fp_arena_free(a, b, FP_STREAM_ANY);
+    EXPECT(fp_arena_alloc(a, 1 << 20, &b, &p) == FP_ENOMEM);
+    EXPECT(strstr(fp_error_message(), "graph capture") != NULL);
+    fp_cuda_capture_end();
+    EXPECT(fp_arena_alloc(a, 1 << 20, &b, &p) == FP_OK);
+    fp_arena_free(a, b, FP_STREAM_ANY);
+    EXPECT(fp_arena_is_valid(a));
+    fp_arena_decref(a);
+}
+
 /* An attached process maps the data at once only when registration has made
  * every page resident (no GPU here: the test makes them exist and says so);
  * then what it writes is what the creator reads. */
@@ -1025,6 +1072,7 @@ int main(void)
     test_reclaim_killed();
     test_lock_owner_dies();
     test_armed_pending();
+    test_capture_fence();
     test_attach_errors();
     test_prefault();
     test_crash_points();

@@ -28,6 +28,9 @@ _Static_assert(SAME_TYPE(fp_cu_event_t, CUevent), "CUevent");
 _Static_assert(FP_CUDA_SUCCESS == CUDA_SUCCESS, "CUDA_SUCCESS");
 _Static_assert(FP_CUDA_ERROR_NOT_READY == CUDA_ERROR_NOT_READY,
                "CUDA_ERROR_NOT_READY");
+_Static_assert(FP_CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED ==
+                   CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+               "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED");
 _Static_assert(FP_CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED ==
                    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
                "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED");
@@ -59,6 +62,9 @@ _Static_assert(SAME_TYPE(__typeof__(FP_CU_STREAM_LEGACY),
     _Static_assert(SAME_TYPE(__typeof__(&name), check_##name##_t),         \
                    #name " (" sym "): parameters differ from cuda.h's");
 FP_CUDA_ENTRY_POINTS(CHECK_PROTOTYPE)
+#if CUDA_VERSION >= 12050 /* the optional ones, where this cuda.h has them */
+FP_CUDA_OPTIONAL_ENTRY_POINTS(CHECK_PROTOTYPE)
+#endif
 #undef CHECK_PROTOTYPE
 
 #undef fp_cu_result_t
@@ -76,6 +82,9 @@ struct entry {
 static const struct entry entries[] = {
 #define ENTRY(name, sym, params) {#name, EXPANDED_NAME(name), sym},
     FP_CUDA_ENTRY_POINTS(ENTRY)
+#if CUDA_VERSION >= 12050
+    FP_CUDA_OPTIONAL_ENTRY_POINTS(ENTRY)
+#endif
 #undef ENTRY
 };
 
