@@ -82,7 +82,7 @@ def main():
     args = parser.parse_args()
     torch.cuda.init()
     status = _C.cuda_status()
-    result = {"fence_any": bool(status.get("fence_any", False)),
+    result = {"fence": status.get("fence"),
               "driver_version": status["driver_version"]}
 
     result["torch_corrupt"] = race(lambda t: t.pin_memory(), args.reps)

@@ -73,11 +73,12 @@ typedef struct fp_block_s {
     uint32_t state;     /* FP_BLOCK_*; under lock */
     uint32_t cls;       /* class of the request, for stats; under lock */
     int32_t owner;      /* pid that allocated it, 0 once adopted; under lock */
-    uint32_t armed;     /* FP_FENCE_*: RECORDED when an event was recorded at
-                           free, DEFERRED when home must still record it (a
-                           graph capture was under way); only home may retire
-                           either. Written by the freeing thread before it
-                           publishes the block, then under lock by home */
+    uint32_t armed;     /* FP_FENCE_*: RECORDED (an event at free), TICKET (a
+                           context sync at free), DEFERRED (home must still
+                           fence it: a graph capture was under way); only home
+                           may retire any of them. Written by the freeing
+                           thread before it publishes the block, then under
+                           lock by home */
     uint32_t leased;    /* atomic; 1 while a lease in the owner holds it (not
                            adoptable), cleared by fp_lease_detach */
 } fp_block_t;
@@ -130,6 +131,9 @@ struct fp_arena_s {
     fp_cu_context_t ctx;   /* retained primary context when registered */
     fp_cu_event_t *events; /* per descriptor, made on first hand-out in home;
                               an entry is touched by whoever owns the block */
+    uint64_t *tickets;     /* per descriptor, the fence ticket of a block freed
+                              with FP_FENCE_TICKET; written by the freeing
+                              thread before it publishes the block */
 };
 
 /* Crash points: where the C tests kill a process mid-update, one point at a
@@ -453,12 +457,16 @@ static int fp_event_done(fp_arena_t *a, uint32_t b, int home)
     /* Armed without CUDA happens only through the test hook: nothing waits. */
     if (!a->registered)
         return 1;
-    if (a->meta->blocks[b].armed == FP_FENCE_DEFERRED) {
+    switch (a->meta->blocks[b].armed) {
+    case FP_FENCE_DEFERRED: {
         /* Freed during a graph capture: fence now, if the capture is over.
          * Later than the free, so it covers every copy queued before it. */
-        uint32_t fence = (uint32_t)fp_cuda_fence(a->ctx, a->events[b]);
+        uint32_t fence = (uint32_t)fp_cuda_fence(a->ctx, a->events[b], &a->tickets[b]);
         a->meta->blocks[b].armed = fence;
         return fence == FP_FENCE_NONE;
+    }
+    case FP_FENCE_TICKET:
+        return fp_cuda_ticket_done(a->ctx, a->tickets[b]);
     }
     /* Anything but NOT_READY (an error included) means the GPU no longer
      * reads the block: an errored context will never run the copy. */
@@ -724,7 +732,8 @@ static int fp_arena_register(fp_arena_t *a, int device)
         return status;
     a->device = device;
     a->events = calloc(a->meta->max_blocks, sizeof *a->events);
-    if (!a->events) {
+    a->tickets = calloc(a->meta->max_blocks, sizeof *a->tickets);
+    if (!a->events || !a->tickets) {
         fp_cuda_context_release(device);
         return fp_error_set(FP_EOS, "out of host memory for the event table");
     }
@@ -803,6 +812,7 @@ fail:
     if (a->fd >= 0)
         close(a->fd);
     free(a->events);
+    free(a->tickets);
     free(a);
     return status;
 }
@@ -922,6 +932,7 @@ void fp_arena_decref(fp_arena_t *a)
     if (a->fd >= 0)
         close(a->fd);
     free(a->events);
+    free(a->tickets);
     free(a);
 }
 
@@ -1009,9 +1020,10 @@ int fp_arena_alloc(fp_arena_t *a, uint64_t size, uint32_t *block, void **ptr)
                                   m->blocks_pending);
             goto done;
         }
-        if (m->blocks[m->pending_head].armed == FP_FENCE_DEFERRED) {
-            /* Its fence waits for a graph capture to end: no event to wait
-             * on yet, and the capturing thread may be this one. */
+        uint32_t head = m->pending_head, fence = m->blocks[head].armed;
+        if (fence == FP_FENCE_DEFERRED || (fence == FP_FENCE_TICKET && fp_cuda_captures())) {
+            /* Its fence waits for a graph capture to end, and the capturing
+             * thread may be this one: do not wait. */
             m->failed++;
             status = fp_error_set(FP_ENOMEM,
                                   "the arena is full: asked for %llu bytes, %llu of its %llu bytes "
@@ -1024,10 +1036,13 @@ int fp_arena_alloc(fp_arena_t *a, uint64_t size, uint32_t *block, void **ptr)
         /* Only blocks still read by the GPU stand in the way: wait for the
          * oldest outside the lock. Its event stays valid meanwhile: the
          * block is reused only after home retires it under the lock. */
-        fp_cu_event_t ev = a->events[m->pending_head];
+        fp_cu_event_t ev = a->events[head];
+        uint64_t ticket = a->tickets[head];
         m->waits++;
         fp_arena_unlock(a);
-        if (fp_cuda.cuCtxPushCurrent(a->ctx) == FP_CUDA_SUCCESS) {
+        if (fence == FP_FENCE_TICKET) {
+            fp_cuda_ticket_wait(a->ctx, ticket);
+        } else if (fp_cuda.cuCtxPushCurrent(a->ctx) == FP_CUDA_SUCCESS) {
             FP_CU_IGNORE(cuEventSynchronize(ev));
             fp_cu_context_t popped;
             FP_CU_IGNORE(cuCtxPopCurrent(&popped));
@@ -1082,8 +1097,9 @@ void fp_arena_free(fp_arena_t *a, uint32_t b, fp_cu_stream_t consumer)
 {
     uint32_t armed = FP_FENCE_NONE;
     if (consumer && fp_arena_cuda(a))
-        armed = consumer == FP_STREAM_ANY ? (uint32_t)fp_cuda_fence(a->ctx, a->events[b])
-                                          : fp_arena_record(a, b, consumer);
+        armed = consumer == FP_STREAM_ANY
+                    ? (uint32_t)fp_cuda_fence(a->ctx, a->events[b], &a->tickets[b])
+                    : fp_arena_record(a, b, consumer);
     fp_return_push(a->meta, b, armed);
 }
 

@@ -5,6 +5,7 @@
  * (no driver / no device / ready) is remembered with the reason, so the
  * package builds and runs on machines with no GPU. */
 #include <dlfcn.h>
+#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +53,9 @@ static void fp_cuda_load_once(void)
     fp_cuda.name = (fp_##name##_fn)dlsym(lib, sym);
     FP_CUDA_OPTIONAL_ENTRY_POINTS(FP_CUDA_LOAD_OPTIONAL)
 #undef FP_CUDA_LOAD_OPTIONAL
+    const char *fence = getenv("FASTPIN_FENCE");
+    if (fence && strcmp(fence, "sync") == 0)
+        fp_cuda.cuCtxRecordEvent = NULL; /* tests of the tickets on any driver */
 
     fp_cuda.cuDriverGetVersion(&fp_cuda.driver_version);
     fp_cu_result_t r = fp_cuda.cuInit(0);
@@ -156,10 +160,118 @@ int fp_cuda_captures(void)
     return n;
 }
 
-int fp_cuda_fence_any(void) { return fp_cuda.cuCtxRecordEvent != NULL; }
+/* ---- fences by ticket (drivers without cuCtxRecordEvent) ---------------- */
+
+typedef struct fp_syncer_s {
+    fp_cu_context_t ctx; /* the context it synchronises; set once */
+    pid_t pid;           /* process whose thread serves it */
+    uint64_t requested;  /* under fp_sync_lock: tickets handed out */
+    uint64_t completed;  /* under fp_sync_lock: every ticket <= it is done */
+} fp_syncer_t;
+
+#define FP_SYNCERS 64 /* contexts, one per device */
+static pthread_mutex_t fp_sync_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t fp_sync_work = PTHREAD_COND_INITIALIZER; /* tickets to serve */
+static pthread_cond_t fp_sync_done = PTHREAD_COND_INITIALIZER; /* tickets completed */
+static fp_syncer_t fp_syncers[FP_SYNCERS];                     /* under fp_sync_lock */
+
+static void *fp_syncer_main(void *arg)
+{
+    fp_syncer_t *s = arg;
+    pthread_mutex_lock(&fp_sync_lock);
+    for (;;) {
+        while (s->completed >= s->requested)
+            pthread_cond_wait(&fp_sync_work, &fp_sync_lock);
+        uint64_t target = s->requested; /* handed out before the sync begins */
+        pthread_mutex_unlock(&fp_sync_lock);
+        /* Held across the sync, so no capture begins during it (it would be
+         * invalidated); a capture_begin waits for it meanwhile. */
+        pthread_rwlock_rdlock(&fp_capture_lock);
+        int capturing = fp_capture_count;
+        if (!capturing && fp_cuda.cuCtxPushCurrent(s->ctx) == FP_CUDA_SUCCESS) {
+            /* Any outcome ends the wait: a failed context runs no copy. */
+            FP_CU_IGNORE(cuCtxSynchronize());
+            fp_cu_context_t popped;
+            FP_CU_IGNORE(cuCtxPopCurrent(&popped));
+        }
+        pthread_rwlock_unlock(&fp_capture_lock);
+        if (capturing) /* not allowed during a capture: look again soon */
+            nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
+        pthread_mutex_lock(&fp_sync_lock);
+        if (!capturing && target > s->completed) {
+            s->completed = target;
+            pthread_cond_broadcast(&fp_sync_done);
+        }
+    }
+    return NULL;
+}
+
+/* The syncer of `ctx` in this process, its thread started; NULL when none
+ * can be had (table full, thread refused). Under fp_sync_lock. */
+static fp_syncer_t *fp_syncer_of(fp_cu_context_t ctx, int start)
+{
+    pid_t self = getpid();
+    fp_syncer_t *free_slot = NULL;
+    for (int i = 0; i < FP_SYNCERS; i++) {
+        fp_syncer_t *s = &fp_syncers[i];
+        if (s->ctx == ctx && s->pid == self)
+            return s;
+        if (!free_slot && (!s->ctx || s->pid != self))
+            free_slot = s; /* unused, or a parent's copy after fork */
+    }
+    if (!start || !free_slot)
+        return NULL;
+    *free_slot = (fp_syncer_t){.ctx = ctx, .pid = self};
+    pthread_t thread;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int failed = pthread_create(&thread, &attr, fp_syncer_main, free_slot);
+    pthread_attr_destroy(&attr);
+    if (failed) {
+        free_slot->ctx = NULL;
+        return NULL;
+    }
+    return free_slot;
+}
+
+static int fp_cuda_ticket(fp_cu_context_t ctx, uint64_t *ticket)
+{
+    pthread_mutex_lock(&fp_sync_lock);
+    fp_syncer_t *s = fp_syncer_of(ctx, 1);
+    if (s) {
+        *ticket = ++s->requested;
+        pthread_cond_broadcast(&fp_sync_work);
+    }
+    pthread_mutex_unlock(&fp_sync_lock);
+    return s != NULL;
+}
+
+int fp_cuda_ticket_done(fp_cu_context_t ctx, uint64_t ticket)
+{
+    pthread_mutex_lock(&fp_sync_lock);
+    fp_syncer_t *s = fp_syncer_of(ctx, 0);
+    int done = !s || s->completed >= ticket;
+    pthread_mutex_unlock(&fp_sync_lock);
+    return done;
+}
+
+void fp_cuda_ticket_wait(fp_cu_context_t ctx, uint64_t ticket)
+{
+    pthread_mutex_lock(&fp_sync_lock);
+    fp_syncer_t *s = fp_syncer_of(ctx, 0);
+    while (s && s->completed < ticket)
+        pthread_cond_wait(&fp_sync_done, &fp_sync_lock);
+    pthread_mutex_unlock(&fp_sync_lock);
+}
+
+/* ---- the fence ---------------------------------------------------------- */
+
+const char *fp_cuda_fence_kind(void) { return fp_cuda.cuCtxRecordEvent ? "event" : "sync"; }
 
 /* The legacy default stream: torch's default stream and every blocking
- * stream, not the non-blocking ones torch hands out for side streams. */
+ * stream, not the non-blocking ones torch hands out for side streams. The
+ * last resort, when neither a context event nor a ticket can be had. */
 static int fp_cuda_fence_legacy(fp_cu_context_t ctx, fp_cu_event_t event)
 {
     if (fp_cuda.cuCtxPushCurrent(ctx) != FP_CUDA_SUCCESS)
@@ -170,10 +282,10 @@ static int fp_cuda_fence_legacy(fp_cu_context_t ctx, fp_cu_event_t event)
     return r == FP_CUDA_SUCCESS ? FP_FENCE_RECORDED : FP_FENCE_NONE;
 }
 
-int fp_cuda_fence(fp_cu_context_t ctx, fp_cu_event_t event)
+int fp_cuda_fence(fp_cu_context_t ctx, fp_cu_event_t event, uint64_t *ticket)
 {
     if (!fp_cuda.cuCtxRecordEvent)
-        return fp_cuda_fence_legacy(ctx, event);
+        return fp_cuda_ticket(ctx, ticket) ? FP_FENCE_TICKET : fp_cuda_fence_legacy(ctx, event);
     int fence = FP_FENCE_DEFERRED;
     pthread_rwlock_rdlock(&fp_capture_lock);
     if (!fp_capture_count) {
@@ -183,8 +295,9 @@ int fp_cuda_fence(fp_cu_context_t ctx, fp_cu_event_t event)
             fence = FP_FENCE_RECORDED;
         else if (r != FP_CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
             /* A capture fastpin was not told of comes back here, deferred;
-             * any other failure gets the narrower fence rather than none. */
-            fence = fp_cuda_fence_legacy(ctx, event);
+             * any other failure gets a ticket rather than nothing. */
+            fence = fp_cuda_ticket(ctx, ticket) ? FP_FENCE_TICKET
+                                                 : fp_cuda_fence_legacy(ctx, event);
     }
     pthread_rwlock_unlock(&fp_capture_lock);
     return fence;

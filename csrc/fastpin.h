@@ -112,6 +112,7 @@ enum {
       (fp_cu_stream_t * stream, unsigned int flags))                          \
     X(cuStreamDestroy, "cuStreamDestroy_v2", (fp_cu_stream_t stream))         \
     X(cuStreamSynchronize, "cuStreamSynchronize", (fp_cu_stream_t stream))    \
+    X(cuCtxSynchronize, "cuCtxSynchronize", (void))                           \
     X(cuStreamWaitEvent, "cuStreamWaitEvent",                                 \
       (fp_cu_stream_t stream, fp_cu_event_t event, unsigned int flags))       \
     X(cuEventCreate, "cuEventCreate",                                         \
@@ -166,27 +167,39 @@ void fp_cuda_context_release(int ordinal);
 /* Free fences. A block handed to the user may be read by a copy queued on
  * any stream of its device, named or not (a prefetcher's side stream, an
  * ExternalStream), and torch records no event for memory it did not
- * allocate. So a block's free event is recorded on the whole context
- * (cuCtxRecordEvent, CUDA 12.5 and later): it completes once every stream
- * has passed the work queued before the free. Returns how the block's event
- * stands (fp_block_t.armed):
- *   FP_FENCE_NONE      nothing recorded: nothing can be waited for (the
- *                      context has failed: it runs no copy either)
+ * allocate. So a block's free waits for the whole context: the block is
+ * reused only once every stream has passed the work queued before the free.
+ * Two ways, by driver:
+ *   - cuCtxRecordEvent (CUDA 12.5 and later): the block's event is recorded
+ *     on the context, one call, and queried like any event.
+ *   - older drivers: a ticket. One thread per context (made on first use,
+ *     never stopped) runs cuCtxSynchronize whenever tickets are waiting and
+ *     then marks every ticket handed out before it began done. Later than an
+ *     event, never earlier.
+ * A context-wide fence would invalidate a CUDA graph capture under way (the
+ * driver refuses cuCtxRecordEvent then; cuCtxSynchronize is not allowed), so
+ * captures are announced (fp_cuda_capture_begin/end) and fences wait for
+ * them. fp_cuda_fence returns how the block's fence stands
+ * (fp_block_t.armed):
+ *   FP_FENCE_NONE      nothing recorded, nothing to wait for (the context
+ *                      has failed: it runs no copy either)
  *   FP_FENCE_RECORDED  `event` completes after every stream's work so far
- *   FP_FENCE_DEFERRED  a CUDA graph capture is under way, which a context
- *                      event would invalidate: the owner records it later
- *                      (fp_cuda_fence again), before the block is reused
- * Without cuCtxRecordEvent the event goes on the legacy default stream,
- * which covers blocking streams only (fp_cuda_fence_any says which). Any
- * thread, the GIL not needed. */
-enum { FP_FENCE_NONE = 0, FP_FENCE_RECORDED = 1, FP_FENCE_DEFERRED = 2 };
-int fp_cuda_fence(fp_cu_context_t ctx, fp_cu_event_t event);
-/* 1 when fp_cuda_fence covers every stream of the context (the driver has
- * cuCtxRecordEvent), else 0. */
-int fp_cuda_fence_any(void);
+ *   FP_FENCE_DEFERRED  a capture is under way: the owner records the fence
+ *                      later (fp_cuda_fence again), before reuse
+ *   FP_FENCE_TICKET    *ticket is done once fp_cuda_ticket_done says so
+ * Any thread, the GIL not needed. FASTPIN_FENCE=sync in the environment
+ * takes the ticket path on any driver (for tests). */
+enum { FP_FENCE_NONE = 0, FP_FENCE_RECORDED = 1, FP_FENCE_DEFERRED = 2, FP_FENCE_TICKET = 3 };
+int fp_cuda_fence(fp_cu_context_t ctx, fp_cu_event_t event, uint64_t *ticket);
+/* Whether every ticket up to `ticket` of `ctx` is done; fp_cuda_ticket_wait
+ * blocks until it is (never with the GIL held). */
+int fp_cuda_ticket_done(fp_cu_context_t ctx, uint64_t ticket);
+void fp_cuda_ticket_wait(fp_cu_context_t ctx, uint64_t ticket);
+/* "event" (cuCtxRecordEvent) or "sync" (tickets): how fences are made. */
+const char *fp_cuda_fence_kind(void);
 /* Brackets a CUDA graph capture in this process (fastpin/_graphs.py calls
- * them around torch's): while one is under way, fences are deferred. They
- * nest and may come from any thread. */
+ * them around torch's): while one is under way, fences wait. They nest and
+ * may come from any thread. */
 void fp_cuda_capture_begin(void);
 void fp_cuda_capture_end(void);
 int fp_cuda_captures(void); /* captures under way now */

@@ -809,10 +809,10 @@ static PyObject *fp_cuda_status(PyObject *module, PyObject *Py_UNUSED(ignored))
     state = fp_cuda_load();
     Py_END_ALLOW_THREADS
     static const char *names[] = {"no_driver", "no_device", "ready"};
-    return Py_BuildValue("{sssssisisO}", "state", names[state], "reason", fp_cuda.reason,
+    return Py_BuildValue("{sssssisiss}", "state", names[state], "reason", fp_cuda.reason,
                          "driver_version", fp_cuda.driver_version, "device_count",
-                         fp_cuda.device_count, "fence_any",
-                         state == FP_CUDA_READY && fp_cuda_fence_any() ? Py_True : Py_False);
+                         fp_cuda.device_count, "fence",
+                         state == FP_CUDA_READY ? fp_cuda_fence_kind() : NULL);
 }
 
 /* The rwlock may be held by a free for one driver call: wait without the GIL. */

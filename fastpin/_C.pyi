@@ -46,7 +46,7 @@ class _CudaStatus(TypedDict):
     reason: str
     driver_version: int
     device_count: int
-    fence_any: bool  # free fences cover every stream (the driver has cuCtxRecordEvent)
+    fence: Literal["event", "sync"] | None  # how frees wait for every stream; None without CUDA
 
 @final
 class Block:

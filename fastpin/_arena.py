@@ -26,23 +26,23 @@ def _env_int(name: str, default: int) -> int:
 
 class CudaStatus(NamedTuple):
     """What fastpin found of CUDA: state is 'ready', 'no_device' or 'no_driver'.
-    fence_any: a block is reused only after copies on every stream of its
-    device are done (the driver has cuCtxRecordEvent, CUDA 12.5+); False on
-    older drivers, whose fence covers the default stream (and the stream named
-    to pin_memory) alone."""
+    fence: how a freed block waits for the copies on every stream of its
+    device before it is reused: "event" (cuCtxRecordEvent, CUDA 12.5 and
+    later drivers), "sync" (older drivers: a thread synchronises the context
+    when blocks wait), None without CUDA."""
 
     state: str
     reason: str
     driver_version: int
     device_count: int
-    fence_any: bool = False
+    fence: Optional[str] = None
 
 
 def cuda_status() -> CudaStatus:
     """The CUDA driver's state, with the reason when it is not usable."""
     s = _C.cuda_status()
     return CudaStatus(s["state"], s["reason"], s["driver_version"], s["device_count"],
-                      s["fence_any"])
+                      s["fence"])
 
 
 def cuda_available() -> bool:

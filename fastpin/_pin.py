@@ -132,18 +132,6 @@ def _torch_pin(t):
     return t.pin_memory()
 
 
-_fence_any_state = None
-
-
-def _fence_any() -> bool:
-    """Whether a block's free fence covers every stream (the driver has
-    cuCtxRecordEvent); remembered, the driver does not change."""
-    global _fence_any_state
-    if _fence_any_state is None:
-        _fence_any_state = bool(_C.cuda_status().get("fence_any"))
-    return _fence_any_state
-
-
 class _Fallback(Exception):
     """The policy says: pin this batch the ordinary way."""
 
@@ -207,10 +195,8 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     queued before that, on any stream of the device, has finished (a fence over
     the device's whole context), so a non_blocking copy from it is safe on
     whatever stream it is issued: the default one, a prefetcher's side stream,
-    an ExternalStream. `stream` (a torch.cuda.Stream or a raw handle) is needed
-    only with a driver older than CUDA 12.5, whose fence covers the default
-    stream alone (fastpin.cuda_status().fence_any is False there): name the
-    stream your copies run on.
+    an ExternalStream. `stream` is accepted and no longer needed (earlier
+    versions waited for the default stream and the one named only).
 
     on_full overrides fastpin.configure(on_full=...) for this call: "fallback",
     "wait" or "raise" (see configure)."""
@@ -248,9 +234,6 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
                 leaf.how = _TORCH
             pinned = []
             _count(fallbacks=1)
-        if block is not None and stream is not None and not _fence_any():
-            # An old driver fences the default stream alone: add the one named.
-            block.consumer_stream = getattr(stream, "cuda_stream", stream)
     results = iter(offsets)
 
     def build(x):

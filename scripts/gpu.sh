@@ -6,9 +6,16 @@
 #   bash scripts/gpu.sh test FILES   build, pytest FILES (no C tests)
 #   bash scripts/gpu.sh bench ARGS   build, python -m fastpin.bench ARGS --json $OUT/bench.json
 #   bash scripts/gpu.sh profile ARGS build, benchmarks/profile_zero_copy.py ARGS
+#   bash scripts/gpu.sh streams [OLD] build, the stream-safety tests under both fences
+#                                (cuCtxRecordEvent, FASTPIN_FENCE=sync) and
+#                                benchmarks/stream_race.py; with OLD (a directory
+#                                holding an older checkout's csrc/, fastpin/ and
+#                                setup.py) the race there too, and its tests, which
+#                                must fail there
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+OUT=$(realpath "$OUT")
 cd "$(dirname "$0")/.."
 what=${1:-all}
 shift || true
@@ -30,6 +37,27 @@ fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
     # No --no-progress: one line per stage, with the seconds since the start, in the log.
     step python3 -m fastpin.bench "$@" --json "$OUT/bench.json"
+fi
+if [ "$what" = streams ]; then
+    old=${1:-}
+    step timeout 180 make -C tests/c test
+    step timeout 120 env FASTPIN_FENCE=sync tests/c/build/test/test_arena
+    for fence in event sync; do
+        step timeout 300 env FASTPIN_FENCE=$fence python3 -m pytest -q -p no:cacheprovider \
+            tests/test_stream_safety.py
+        step timeout 120 env FASTPIN_FENCE=$fence PYTHONPATH="$PWD" \
+            python3 benchmarks/stream_race.py --json "$OUT/race_$fence.json"
+    done
+    if [ -n "$old" ]; then
+        step timeout 300 bash -c "cd $old && python3 setup.py -q build_ext --inplace"
+        step timeout 120 env PYTHONPATH="$old" python3 benchmarks/stream_race.py \
+            --json "$OUT/race_old.json"
+        echo "== the race tests against $old (expected to FAIL there)"
+        # python -m puts the working directory first on sys.path: run from $old.
+        (cd "$old" && timeout 300 python3 -m pytest -q -p no:cacheprovider \
+            "$OLDPWD/tests/test_stream_safety.py" -k "side_stream or external_stream")
+        echo "(exit $? for the old code)"
+    fi
 fi
 if [ "$what" = profile ]; then
     step env PYTHONPATH="$PWD" python3 benchmarks/profile_zero_copy.py "$@"

@@ -105,9 +105,12 @@ def _raw_stream():
 class TestSideStreamRace:
     pytestmark = needs_gpu
 
-    def test_fence_covers_every_stream_on_this_driver(self):
-        assert fastpin.cuda_status().fence_any, (
-            "the driver lacks cuCtxRecordEvent: these tests need CUDA 12.5 or later")
+    def test_fence_kind(self):
+        # "sync" where the driver lacks cuCtxRecordEvent, or under FASTPIN_FENCE=sync.
+        import os
+
+        want = "sync" if os.environ.get("FASTPIN_FENCE") == "sync" else "event"
+        assert fastpin.cuda_status().fence == want
 
     def test_pin_memory_side_stream_unnamed(self, one_batch_arena):
         side = torch.cuda.Stream()

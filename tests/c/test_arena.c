@@ -779,6 +779,78 @@ static void test_capture_fence(void)
     fp_arena_decref(a);
 }
 
+/* Fences by ticket (drivers without cuCtxRecordEvent), on fake driver calls
+ * where no driver is loaded: every ticket ends up done, none while a capture
+ * is under way, and many threads may ask and wait at once (TSan). */
+static int fake_syncs;
+static fp_cu_result_t fake_push(fp_cu_context_t ctx)
+{
+    (void)ctx;
+    return FP_CUDA_SUCCESS;
+}
+static fp_cu_result_t fake_pop(fp_cu_context_t *ctx)
+{
+    *ctx = NULL;
+    return FP_CUDA_SUCCESS;
+}
+static fp_cu_result_t fake_sync(void)
+{
+    __atomic_add_fetch(&fake_syncs, 1, __ATOMIC_RELAXED);
+    return FP_CUDA_SUCCESS;
+}
+
+static fp_cu_context_t fake_ctx = (fp_cu_context_t)&fake_syncs; /* any non-NULL handle */
+
+static void *ticket_main(void *arg)
+{
+    (void)arg;
+    for (int i = 0; i < 500; i++) {
+        uint64_t t;
+        if (fp_cuda_fence(fake_ctx, NULL, &t) != FP_FENCE_TICKET)
+            return (void *)1;
+        fp_cuda_ticket_wait(fake_ctx, t);
+        if (!fp_cuda_ticket_done(fake_ctx, t))
+            return (void *)2;
+    }
+    return NULL;
+}
+
+static void test_fence_tickets(void)
+{
+    if (fp_cuda_load() == FP_CUDA_READY)
+        return; /* the real driver's table is in use: the GPU run tests tickets
+                   through FASTPIN_FENCE=sync instead */
+    fp_cuda_t saved = fp_cuda;
+    fp_cuda.cuCtxPushCurrent = fake_push;
+    fp_cuda.cuCtxPopCurrent = fake_pop;
+    fp_cuda.cuCtxSynchronize = fake_sync;
+    fp_cuda.cuCtxRecordEvent = NULL;
+    uint64_t t1, t2;
+    EXPECT(fp_cuda_fence(fake_ctx, NULL, &t1) == FP_FENCE_TICKET);
+    fp_cuda_ticket_wait(fake_ctx, t1);
+    EXPECT(fp_cuda_ticket_done(fake_ctx, t1));
+    fp_cuda_capture_begin();
+    int before = __atomic_load_n(&fake_syncs, __ATOMIC_RELAXED);
+    EXPECT(fp_cuda_fence(fake_ctx, NULL, &t2) == FP_FENCE_TICKET && t2 > t1);
+    nanosleep(&(struct timespec){.tv_nsec = 20000000}, NULL);
+    EXPECT(!fp_cuda_ticket_done(fake_ctx, t2)); /* no sync during a capture */
+    EXPECT(__atomic_load_n(&fake_syncs, __ATOMIC_RELAXED) == before);
+    fp_cuda_capture_end();
+    fp_cuda_ticket_wait(fake_ctx, t2);
+    EXPECT(fp_cuda_ticket_done(fake_ctx, t2));
+    pthread_t t[4];
+    for (int i = 0; i < 4; i++)
+        pthread_create(&t[i], NULL, ticket_main, NULL);
+    for (int i = 0; i < 4; i++) {
+        void *r;
+        pthread_join(t[i], &r);
+        EXPECT(r == NULL);
+    }
+    /* Every wait above returned after the syncer's last sync, under its
+     * lock: it is idle now, and reads the table only when asked again. */
+    fp_cuda = saved;
+}
+
 /* An attached process maps the data at once only when registration has made
  * every page resident (no GPU here: the test makes them exist and says so);
  * then what it writes is what the creator reads. */
@@ -1073,6 +1145,7 @@ int main(void)
     test_lock_owner_dies();
     test_armed_pending();
     test_capture_fence();
+    test_fence_tickets();
     test_attach_errors();
     test_prefault();
     test_crash_points();
