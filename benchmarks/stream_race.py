@@ -101,6 +101,11 @@ def main():
     for _ in range(2000):
         seen.add(fastpin.pin_memory(small, arena=arena).data_ptr())
     result["pin_free_64k_blocks"] = len(seen)
+    # One block's room: each pin waits for the previous free's fence, so this
+    # is the pin plus the time a fence takes to complete on an idle GPU.
+    one = _C.Arena(64 * 1024)
+    result["pin_free_64k_one_block_us"] = median_us(lambda: fastpin.pin_memory(small, arena=one),
+                                                    reps=500)
     result["torch_copy_64k_us"] = median_us(lambda: torch.empty_like(small).copy_(small))
     for key, value in result.items():
         print(f"{key:>20}: {value:.2f}" if isinstance(value, float) else f"{key:>20}: {value}")
