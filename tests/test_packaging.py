@@ -157,3 +157,23 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(dists):
     python = fresh_venv(tmp / "venv-wheel", "numpy")
     run([python, "-m", "pip", "install", "-q", "--no-index", dists["wheel"]], tmp)
     smoke(python, tmp)
+
+
+def fastpin_file() -> str:
+    """The fastpin these tests import (the installed copy, or an in-place build)."""
+    import fastpin
+    return fastpin.__file__
+
+
+def test_the_pytest_config_works_without_pytest_timeout(tmp_path):
+    # Bug: `timeout = 300` with filterwarnings = error stopped pytest with an
+    # INTERNALERROR (exit 3) where pytest-timeout was not installed.
+    if not (ROOT / "pyproject.toml").exists():
+        pytest.skip("needs the clone's pyproject.toml")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:timeout", "-p", "no:cacheprovider",
+                        "-q", "-c", ROOT / "pyproject.toml", "--rootdir", ROOT,
+                        ROOT / "tests" / "test_logging.py"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(Path(fastpin_file()).parent.parent)))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "INTERNALERROR" not in r.stdout + r.stderr and "1 passed" in r.stdout
