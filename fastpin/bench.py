@@ -752,6 +752,11 @@ class Results:
         return cls(rows=rows, **{k: v for k, v in d.items() if k in fields})
 
 
+# fastpin is on no package index: "pip install 'fastpin[plot]'" would ask one for
+# a project of that name, not this one.
+_MATPLOTLIB = ("pip install matplotlib (or, installing fastpin from its source, "
+               "pip install '/path/to/fastpin[plot]')")
+
 _FEW_TIMED = 10  # fewer batches than this, in under a second, measure start-up noise
 
 
@@ -1393,12 +1398,11 @@ def plot(results: Any, path: Optional[str] = None, *,
     Results.to_dict() or `python -m fastpin.bench --json` wrote): one row of panels
     per case, one panel per metric, one bar per path. Saves a PNG (or any format
     matplotlib knows by the suffix) to `path` when given; returns the
-    matplotlib Figure. Needs matplotlib (pip install 'fastpin[plot]')."""
+    matplotlib Figure. Needs matplotlib (pip install matplotlib)."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise ImportError("fastpin.bench.plot needs matplotlib: pip install 'fastpin[plot]'") \
-            from None
+        raise ImportError(f"fastpin.bench.plot needs matplotlib: {_MATPLOTLIB}") from None
     groups = _as_results(results)
     if not groups:
         raise ValueError("nothing to plot")
@@ -1601,7 +1605,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PATH",
                         help="also draw the workload cases (PNG; needs matplotlib: "
-                             "pip install 'fastpin[plot]')")
+                             "pip install matplotlib)")
     parser.add_argument("--from-json", metavar="PATH",
                         help="measure nothing: print (and --plot) a run that --json wrote")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -1637,7 +1641,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            parser.error("--plot needs matplotlib: pip install 'fastpin[plot]'")
+            parser.error(f"--plot needs matplotlib: {_MATPLOTLIB}")
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
