@@ -320,20 +320,20 @@ def loader_table(workers=(8, 15), batches: int = 300, batch_size: int = 256,
             row = {"dtype": dtype_name, "workers": nw, "batch_mb": batch_bytes / MB}
             timed: list = []  # batches each path timed
             row["stock_gbps"], row["stock_cpu_ms"] = measure(make(), gpu)
-            _progress(f"  {dtype_name} {nw} workers: pin_memory={gpu} done")
+            _progress(f"  {dtype_name} {_workers(nw)}: pin_memory={gpu} done")
             dl = make()
             dl.pin_memory = False
             capacity = max(1 << 30, capacity_for(dl, batch_bytes, depth=2))  # Loader's depth
             fastpin.configure(capacity=capacity)
             row["copy_gbps"], row["copy_cpu_ms"] = measure(fastpin.Loader(dl, device=device), False)
-            _progress(f"  {dtype_name} {nw} workers: fastpin.Loader done")
+            _progress(f"  {dtype_name} {_workers(nw)}: fastpin.Loader done")
             dl = make()
             dl.pin_memory = False
             zc = fastpin.Loader(dl, device=device, zero_copy=True, capacity=capacity)
             row["zero_copy_gbps"], row["zero_copy_cpu_ms"] = measure(zc, False)
             row["zero_copy_fallbacks"] = zc.stats()["worker_fallbacks"]
             row["batches_timed"] = timed
-            _progress(f"  {dtype_name} {nw} workers: zero-copy done")
+            _progress(f"  {dtype_name} {_workers(nw)}: zero-copy done")
             del zc, dl
             rows.append(row)
     return {"gpu": gpu, "batches": batches, "batch_size": batch_size, "rows": rows,
