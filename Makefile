@@ -1,21 +1,43 @@
-# The two commands of the quick start, and the pieces they are made of.
+# The two commands of the quick start, and the pieces they are made of
+# (`make help` lists them).
 #   make bench   build a venv, install fastpin into it, run python -m fastpin.bench
 #   make test    the C core's tests (plain, ASan+UBSan, TSan), then pytest against
 #                fastpin installed into the venv as a user would install it
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The torch the dev venv gets, as pip reads it. A version, not a build: pip takes
+# a local CPU wheel where one lies in its find-links (the dev machines'), else
+# PyPI's build for Linux, which is the CUDA one and pulls several GB of CUDA
+# libraries. A CPU-only venv from PyTorch's own index:
+#   make bench TORCH_SPEC="torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu"
+TORCH_SPEC ?= torch==2.13.0
+# The Pythons `make test-pythons` builds fastpin for (default: every 3.10-3.13 found).
+PYTHONS ?=
 export FASTPIN_WERROR ?= 1
 
-.PHONY: bench test test-c test-py install clean
+.PHONY: help bench test test-c test-py test-pythons install clean
 
+help:
+	@echo "make bench         venv in $(VENV) + install, then python -m fastpin.bench (BENCH_ARGS=--quick: short)"
+	@echo "make test          test-c, then test-py: what CI runs first"
+	@echo "make test-c        the C core's tests: plain, ASan+UBSan, TSan (tests/c)"
+	@echo "make test-py       pytest against fastpin installed into $(VENV) (PYTEST_ARGS=...)"
+	@echo "make test-pythons  each Python 3.10-3.13 found (PYTHONS=...): fastpin built into a"
+	@echo "                   venv without torch (.venv-py3.X), and the tests that need no torch"
+	@echo "make install       only the venv and fastpin in it"
+	@echo "make clean         remove the venvs, build outputs and the C tests' builds"
+	@echo "Variables: PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC=\"$(TORCH_SPEC)\" FASTPIN_WERROR=$(FASTPIN_WERROR)"
+
+# torch in the same pip command as the rest: the ecosystem packages resolve
+# against it and never replace it.
 $(VENV)/.deps: requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q $(TORCH_SPEC) -r requirements-dev.txt
 	touch $@
 
-$(VENV)/.installed: $(VENV)/.deps setup.py pyproject.toml $(wildcard csrc/*.c csrc/*.h fastpin/*.py fastpin/*.pyi fastpin/py.typed)
+$(VENV)/.installed: $(VENV)/.deps setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*.c csrc/*.h fastpin/*.py fastpin/*.pyi fastpin/py.typed)
 	$(PY) -m pip install -q --no-build-isolation .
 	touch $@
 
@@ -34,6 +56,9 @@ test-py: install
 
 test: test-c test-py
 
+test-pythons:
+	bash .ci/test-pythons $(PYTHONS)
+
 clean:
-	rm -rf build $(VENV) fastpin/*.so *.egg-info
+	rm -rf build dist $(VENV) .venv-py3.* fastpin/*.so *.egg-info
 	$(MAKE) -C tests/c clean

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+from . import _torch
 from ._C import ArenaFullError, CudaError, FastpinError
 from ._arena import CudaStatus, configure, cuda_available, cuda_status, default_arena
 from ._install import install, installed, uninstall
@@ -35,6 +36,7 @@ def stats() -> dict:
 def __getattr__(name):
     # collate needs torch; import it only when asked for.
     if name == "collate":
+        _torch.require("fastpin.collate")
         from ._collate import collate
         return collate
     raise AttributeError(f"module 'fastpin' has no attribute {name!r}")

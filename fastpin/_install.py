@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 
+from . import _torch
 from ._pin import pin_memory
 
 _lock = threading.Lock()
@@ -10,6 +11,7 @@ _original = None
 
 
 def _target():
+    _torch.require("fastpin.install")
     from torch.utils.data._utils import pin_memory as module
     return module
 

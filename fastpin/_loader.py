@@ -26,7 +26,7 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from . import _C, _graphs, _numa
+from . import _C, _graphs, _numa, _torch
 from ._arena import cuda_available, default_arena, device_index
 from ._pin import pin_memory
 from ._walk import map_leaves
@@ -93,7 +93,7 @@ class Loader:
     def __init__(self, loader: Iterable, device: Any = "cuda", depth: int = 2, *,
                  arena: Optional[_C.Arena] = None, zero_copy: bool = False,
                  capacity: Optional[int] = None):
-        import torch
+        torch = _torch.require("fastpin.Loader")
 
         if depth < 1:
             raise ValueError(f"depth must be at least 1, not {depth}")

@@ -159,8 +159,10 @@ def _pin_with_policy(arena, sources, on_full: str):
         try:
             return arena.pin(sources)
         except _C.ArenaFullError as e:
-            if on_full == "fallback":
-                log.debug("fastpin: %s; pinning this batch the ordinary way", e)
+            if on_full == "fallback":  # the first one slows the user down: say so, once
+                log.log(logging.DEBUG if _counters["fallbacks"] else logging.WARNING,
+                        "fastpin: %s; pinning this batch the ordinary way (slower; later ones "
+                        "are logged at DEBUG)", e)
                 raise _Fallback from None
             if on_full == "raise":
                 raise

@@ -3,18 +3,18 @@ batches shaped like real workloads.
 
 Cases (--case, repeatable; default: all of them):
 
-  pin_sizes     pin_memory of one batch of 1, 16, 256 MB: the machine's memcpy
+  pin_sizes     pin_memory of one batch of 1, 16, 256 MiB: the machine's memcpy
                 rates, torch's pinning with 1 and N threads, fastpin.pin_memory
   train_step    a training step with compute C and transfer T (C < T, C > T):
                 stock .to(), the timm/Apex prefetcher, fastpin.Loader (GPU only)
   loader_images DataLoader delivered GB/s, uint8 and float32 images, batch 256:
                 pin_memory=True, fastpin.Loader, fastpin.Loader(zero_copy=True)
-  images_u8     uint8 images 3x224x224, batch 256 (38.5 MB)
-  images_f32    float32 images 3x224x224, batch 256 (154 MB)
+  images_u8     uint8 images 3x224x224, batch 256 (36.8 MiB)
+  images_f32    float32 images 3x224x224, batch 256 (147 MiB)
   tokens        int64 token sequences of 2k-8k tokens, batch 8, padded per batch
                 (input_ids, attention_mask, labels)
   recsys        a recommendation batch: a dict of 50 feature tensors, 4096 rows
-  video         float32 clips 3x32x224x224, batch 16 (308 MB)
+  video         float32 clips 3x32x224x224, batch 16 (294 MiB)
 
 The five workload cases go through every path that applies (--path, repeatable):
 
@@ -57,19 +57,31 @@ import time
 import traceback
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
-import torch
-
 import fastpin
-from fastpin import _C
+from fastpin import _C, _torch
 from fastpin._walk import map_leaves
 from fastpin._walk import nbytes as batch_nbytes
-from fastpin._zerocopy import capacity_for
+
+try:
+    import torch
+    from torch.utils.data import Dataset as _Dataset
+
+    from fastpin._zerocopy import capacity_for
+except ModuleNotFoundError as _exc:
+    # python -m fastpin.bench without torch: --help and --list still work, and
+    # everything else says what to install (main()); an import says it at once.
+    if _exc.name != "torch" or __name__ != "__main__":
+        if _exc.name == "torch":
+            raise ModuleNotFoundError(_torch.message("fastpin.bench"), name="torch") from None
+        raise
+    torch = None
+    _Dataset = object
 
 __all__ = ["CASES", "PATHS", "Results", "Row", "compare", "main", "plot"]
 
 log = logging.getLogger("fastpin.bench")
 
-MB = 1 << 20
+MB = 1 << 20  # sizes are MiB (and labelled so); rates are GB/s of 1e9 bytes
 
 
 def _patterned(nbytes: int) -> torch.Tensor:
@@ -135,7 +147,7 @@ def pin_table(sizes_mb, min_seconds: float = 0.5, min_iters: int = 5) -> dict:
         del pinned
         row["fastpin"] = _time(lambda: fastpin.pin_memory(src), nbytes, min_seconds, min_iters)
         rows.append(row)
-        _progress(f"  {size_mb:g} MB done")
+        _progress(f"  {size_mb:g} MiB done")
     return {
         "gpu": gpu,
         "torch_threads": all_threads,
@@ -232,7 +244,7 @@ def step_table(batch_mb: int = 256, steps: int = 100) -> dict:
 
 def format_step_table(result: dict) -> str:
     lines = [
-        f"Batch of {result['batch_mb']} MB (pinned), {result['steps']} steps; ms per step.",
+        f"Batch of {result['batch_mb']} MiB (pinned), {result['steps']} steps; ms per step.",
         "",
         "| compute C | transfer T | max(C, T) | stock .to(non_blocking) | timm/Apex prefetcher | "
         "fastpin.Loader | fastpin / max(C, T) |",
@@ -246,7 +258,7 @@ def format_step_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-class _Images(torch.utils.data.Dataset):
+class _Images(_Dataset):
     """An in-memory image set: samples are views, so loading costs nothing and
     the loader's own path is what is measured."""
 
@@ -308,20 +320,20 @@ def loader_table(workers=(8, 15), batches: int = 300, batch_size: int = 256,
             row = {"dtype": dtype_name, "workers": nw, "batch_mb": batch_bytes / MB}
             timed: list = []  # batches each path timed
             row["stock_gbps"], row["stock_cpu_ms"] = measure(make(), gpu)
-            _progress(f"  {dtype_name} {nw} workers: pin_memory=True done")
+            _progress(f"  {dtype_name} {_workers(nw)}: pin_memory={gpu} done")
             dl = make()
             dl.pin_memory = False
             capacity = max(1 << 30, capacity_for(dl, batch_bytes, depth=2))  # Loader's depth
             fastpin.configure(capacity=capacity)
             row["copy_gbps"], row["copy_cpu_ms"] = measure(fastpin.Loader(dl, device=device), False)
-            _progress(f"  {dtype_name} {nw} workers: fastpin.Loader done")
+            _progress(f"  {dtype_name} {_workers(nw)}: fastpin.Loader done")
             dl = make()
             dl.pin_memory = False
             zc = fastpin.Loader(dl, device=device, zero_copy=True, capacity=capacity)
             row["zero_copy_gbps"], row["zero_copy_cpu_ms"] = measure(zc, False)
             row["zero_copy_fallbacks"] = zc.stats()["worker_fallbacks"]
             row["batches_timed"] = timed
-            _progress(f"  {dtype_name} {nw} workers: zero-copy done")
+            _progress(f"  {dtype_name} {_workers(nw)}: zero-copy done")
             del zc, dl
             rows.append(row)
     return {"gpu": gpu, "batches": batches, "batch_size": batch_size, "rows": rows,
@@ -337,7 +349,11 @@ _MIN_TIMED = 5  # batches a path times at least, whatever its time budget
 
 
 def format_loader_table(result: dict) -> str:
-    where = "to the GPU" if result["gpu"] else "to pinned host batches (no GPU here)"
+    # With no GPU, torch cannot pin: the stock column ran DataLoader(pin_memory=False).
+    stock = "pin_memory=True" if result["gpu"] else "pin_memory=False"
+    where = ("to the GPU" if result["gpu"] else
+             "to host batches (no GPU here: nothing is page-locked, and torch cannot pin, so "
+             "the stock DataLoader ran with pin_memory=False)")
     budget = (f" (or fewer, once {result['max_seconds']:g} s had passed)"
               if result.get("max_seconds") else "")
     lines = [
@@ -345,13 +361,13 @@ def format_loader_table(result: dict) -> str:
         f"{result['batches']} batches{budget} of {result['batch_size']} images 3x224x224 "
         "per path, random sampling.",
         "",
-        "| dtype | workers | batch | pin_memory=True | fastpin.Loader | fastpin.Loader(zero_copy) | "
-        "zero-copy / pin_memory | worker fallbacks |",
+        f"| dtype | workers | batch | {stock} | fastpin.Loader | fastpin.Loader(zero_copy) | "
+        f"zero-copy / {stock} | worker fallbacks |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['dtype']} | {r['workers']} | {r['batch_mb']:.1f} MB | "
+            f"| {r['dtype']} | {r['workers']} | {r['batch_mb']:.1f} MiB | "
             f"{r['stock_gbps']:.1f} ({r['stock_cpu_ms']:.2f}) | "
             f"{r['copy_gbps']:.1f} ({r['copy_cpu_ms']:.2f}) | "
             f"{r['zero_copy_gbps']:.1f} ({r['zero_copy_cpu_ms']:.2f}) | "
@@ -359,7 +375,7 @@ def format_loader_table(result: dict) -> str:
     if result.get("max_seconds"):
         timed = ", ".join(f"{r['dtype']} {_workers(r['workers'])} {'/'.join(map(str, r['batches_timed']))}"
                           for r in result["rows"] if r.get("batches_timed"))
-        lines += ["", f"Batches timed (pin_memory=True / fastpin.Loader / zero-copy): {timed}."]
+        lines += ["", f"Batches timed ({stock} / fastpin.Loader / zero-copy): {timed}."]
     return "\n".join(lines)
 
 
@@ -379,7 +395,7 @@ def format_pin_table(result: dict) -> str:
         t1 = r.get("torch_pin_1")
         best = max(r["memcpy_n"], r["memcpy_pool"])
         lines.append(
-            f"| {r['size_mb']:g} MB | {_fmt(r['memcpy_1'])} | {_fmt(r['memcpy_n'])} | "
+            f"| {r['size_mb']:g} MiB | {_fmt(r['memcpy_1'])} | {_fmt(r['memcpy_n'])} | "
             f"{_fmt(r['memcpy_pool'])} | {_fmt(t1)} | "
             f"{_fmt(r.get('torch_pin_n'))} | {_fmt(r['fastpin'])} | "
             f"{r['fastpin'] / best:.2f}x | "
@@ -570,11 +586,11 @@ class Row:
     status: str = "ok"
     reason: str = ""
     batches: int = 0                       # batches timed
-    batch_mb: Optional[float] = None       # mean MB of tensor data per timed batch
+    batch_mb: Optional[float] = None       # mean MiB of tensor data per timed batch
     gbps: Optional[float] = None           # delivered GB/s (1e9 bytes)
     step_ms: Optional[float] = None        # wall time per step, compute included
     cpu_ms: Optional[float] = None         # main-process CPU time per batch
-    pinned_mb: Optional[float] = None      # page-locked memory held by the path
+    pinned_mb: Optional[float] = None      # page-locked memory held by the path, MiB
     pool_peak_mb: Optional[float] = None   # peak of it in use (fastpin's arenas only)
     first_batch_s: Optional[float] = None  # loader made -> first batch ready
     fallbacks: Optional[int] = None        # batches pinned the ordinary way (fastpin)
@@ -602,7 +618,7 @@ _METRICS = {
     "step_ms": "step ms",
     "cpu_ms": "main CPU ms/batch",
     "first_batch_s": "first batch s",
-    "pinned_mb": "pinned MB held",
+    "pinned_mb": "pinned MiB held",
 }
 
 
@@ -665,31 +681,34 @@ class Results:
         base = self.baseline()
         vs = f"x {base.label}" if base else "x baseline"
         lines = [
-            f"| path | GB/s | {vs} | step ms | main CPU ms/batch | pinned MB held (peak used) "
-            "| first batch s |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            f"| path | batches timed | GB/s | {vs} | step ms | main CPU ms/batch | "
+            "pinned MiB held (peak used) | first batch s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in self.rows:
             if not r.ok:
-                lines.append(f"| {r.label} | {r.status} | | | | | |")
+                lines.append(f"| {r.label} | | {r.status} | | | | | |")
                 continue
             ratio = f"{r.gbps / base.gbps:.2f}x" if base and r.gbps is not None else "-"
             pinned = "-" if r.pinned_mb is None else f"{r.pinned_mb:.0f}"
             if r.pool_peak_mb is not None:
                 pinned += f" ({r.pool_peak_mb:.0f})"
+            few = " (too few)" if _too_few(r) else ""
             lines.append(
-                f"| {r.label} | {_num(r.gbps)} | {ratio} | {_num(r.step_ms)} | "
+                f"| {r.label} | {r.batches}{few} | {_num(r.gbps)} | {ratio} | {_num(r.step_ms)} | "
                 f"{_num(r.cpu_ms, 3)} | {pinned} | {_num(r.first_batch_s, 3)} |")
         return "\n".join(lines)
 
     def header(self) -> str:
         mb = [r.batch_mb for r in self.rows if r.ok and r.batch_mb]
-        size = f"{statistics.mean(mb):.1f} MB batches, " if mb else ""
+        size = f"{statistics.mean(mb):.1f} MiB batches, " if mb else ""
         workers = "" if self.workers is None else _workers(self.workers) + ", "
-        timed = f"{self.batches} timed"
+        # What the paths timed, never more: a loader that runs out times fewer.
+        counts = sorted({r.batches for r in self.rows if r.ok})
+        span = (f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}") if counts else "0"
+        timed = f"{self.batches} timed" if counts in ([], [self.batches]) else \
+            f"{span} timed (of {self.batches} asked for)"
         if self.max_seconds:
-            counts = sorted({r.batches for r in self.rows if r.ok and r.batches})
-            span = (f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}") if counts else "0"
             timed = f"{span} timed (up to {self.batches}, or {self.max_seconds:g} s a path)"
         return (f"{size}{timed} after {self.warmup} warm-up, {workers}"
                 f"compute {self.compute_ms:g} ms/step, delivered to {self.device}.")
@@ -703,9 +722,11 @@ class Results:
         reasons = [f"- {', '.join(labels)}: {why}" for why, labels in _grouped(self.not_run)]
         fallbacks = [f"- {r.label}: {r.fallbacks} batches pinned the ordinary way (arena full)"
                      for r in self.rows if r.ok and r.fallbacks]
-        if reasons or fallbacks or self.notes:
+        short = [f"- {r.label}: {r.reason}" for r in self.rows if r.ok and r.reason]
+        few = [f"- {_few_warning(r)}" for r in self.rows if _too_few(r)]
+        if reasons or fallbacks or short or few or self.notes:
             parts.append("")
-            parts.extend(reasons + fallbacks + [f"- {n}" for n in self.notes])
+            parts.extend(reasons + fallbacks + short + few + [f"- {n}" for n in self.notes])
         return "\n".join(parts)
 
     def _repr_markdown_(self) -> str:
@@ -729,6 +750,27 @@ class Results:
         rows = [Row(**{k: v for k, v in r.items() if k in names}) for r in d["rows"]]
         fields = {f.name for f in dataclasses.fields(cls)} - {"rows"}
         return cls(rows=rows, **{k: v for k, v in d.items() if k in fields})
+
+
+# fastpin is on no package index: "pip install 'fastpin[plot]'" would ask one for
+# a project of that name, not this one.
+_MATPLOTLIB = ("pip install matplotlib (or, installing fastpin from its source, "
+               "pip install '/path/to/fastpin[plot]')")
+
+_FEW_TIMED = 10  # fewer batches than this, in under a second, measure start-up noise
+
+
+def _too_few(row: Row) -> bool:
+    """A path timed too few batches, too briefly, for its figures to mean much (two
+    runs of 4 batches each of the same loader once gave 0.85x and 4.00x)."""
+    return (row.ok and row.batches < _FEW_TIMED and row.step_ms is not None
+            and row.batches * row.step_ms < 1e3)
+
+
+def _few_warning(row: Row) -> str:
+    return (f"warning: {row.label} timed only {row.batches} batches, in "
+            f"{row.batches * row.step_ms:.0f} ms: too few for its figures to mean much; ask for "
+            f"more batches (and a loader that yields at least 1 + warmup + batches)")
 
 
 # ---- measuring one path ------------------------------------------------------------
@@ -1059,7 +1101,7 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
     progress: a progress bar on stderr (tqdm where installed).
 
     Returns a Results: one Row per path with delivered GB/s, step ms, main-process
-    CPU ms per batch, pinned MB held and peak in use, seconds to the first batch.
+    CPU ms per batch, pinned MiB held and peak in use, seconds to the first batch.
     It changes no global setting (each fastpin path gets an arena of its own).
     """
     from ._arena import get_capacity
@@ -1096,6 +1138,9 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
             if not row.ok:
                 log.info("fastpin.bench: %s %s: %s", PATHS[path].label, row.status, row.reason)
                 bar.note(f"  {name}: {PATHS[path].label} {row.status}: {row.reason}")
+            elif row.reason or _too_few(row):
+                bar.note(f"  {name}: " + (_few_warning(row) if _too_few(row) else
+                                          f"{PATHS[path].label}: {row.reason}"))
             results.rows.append(row)
     finally:
         if bar is not _reporter:
@@ -1105,7 +1150,7 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
 
 # ---- the workload cases ---------------------------------------------------------------
 
-class _Tokens(torch.utils.data.Dataset):
+class _Tokens(_Dataset):
     """Token sequences of lo..hi int64 tokens, views of one flat tensor."""
 
     def __init__(self, n: int, lo: int, hi: int, seed: int = 11):
@@ -1133,7 +1178,7 @@ def _pad_collate(samples):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-class _Recsys(torch.utils.data.Dataset):
+class _Recsys(_Dataset):
     """Columnar features read a batch at a time (the sampler yields index lists):
     40 categorical ids, 9 dense embeddings of 16 floats, a label: 50 tensors."""
 
@@ -1156,7 +1201,7 @@ class _Recsys(torch.utils.data.Dataset):
         return out
 
 
-class _Clips(torch.utils.data.Dataset):
+class _Clips(_Dataset):
     def __init__(self, data):
         self.data = data
 
@@ -1353,12 +1398,11 @@ def plot(results: Any, path: Optional[str] = None, *,
     Results.to_dict() or `python -m fastpin.bench --json` wrote): one row of panels
     per case, one panel per metric, one bar per path. Saves a PNG (or any format
     matplotlib knows by the suffix) to `path` when given; returns the
-    matplotlib Figure. Needs matplotlib (pip install 'fastpin[plot]')."""
+    matplotlib Figure. Needs matplotlib (pip install matplotlib)."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise ImportError("fastpin.bench.plot needs matplotlib: pip install 'fastpin[plot]'") \
-            from None
+        raise ImportError(f"fastpin.bench.plot needs matplotlib: {_MATPLOTLIB}") from None
     groups = _as_results(results)
     if not groups:
         raise ValueError("nothing to plot")
@@ -1417,6 +1461,16 @@ def machine() -> dict:
         info["gpu"] = torch.cuda.get_device_name()
     return info
 
+
+# What each micro case measures (python -m fastpin.bench --list).
+_MICRO_WHAT = {
+    "pin_sizes": "pin_memory of one batch of 1, 16, 256 MiB (--sizes): the machine's memcpy "
+                 "rates, torch's pinning with 1 and N threads, fastpin.pin_memory",
+    "train_step": "a training step with compute C and transfer T (C < T, C > T): stock .to(), "
+                  "the timm/Apex prefetcher, fastpin.Loader (GPU only)",
+    "loader_images": "DataLoader delivered GB/s over uint8 and float32 images, batch 256: "
+                     "pin_memory=True, fastpin.Loader, fastpin.Loader(zero_copy=True)",
+}
 
 _SECTION = {
     "pin_sizes": ("pin_memory", "pin_memory of one batch", format_pin_table),
@@ -1504,7 +1558,18 @@ def _save(suite: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _device_arg(text: str) -> str:
+    """--device: auto, host (or cpu), cuda or cuda:N; anything else is a usage error."""
+    kind, _, index = text.partition(":")
+    if text in ("auto", "host", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a device: use auto (the GPU if any, else the host), host, cuda or "
+        "cuda:N")
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options (main() and the README's list of them)."""
     parser = argparse.ArgumentParser(prog="python -m fastpin.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", action="append", choices=CASE_NAMES + ("all",),
@@ -1524,12 +1589,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "whole suite fits in a few minutes (default: 3; 0: no budget)")
     parser.add_argument("--compute-ms", type=float, default=0.0,
                         help="simulated compute per step in the workload cases, ms (default: 0)")
-    parser.add_argument("--device", default="auto",
-                        help="where batches go: auto (the GPU if any), cuda, cuda:N, host")
+    parser.add_argument("--device", default="auto", type=_device_arg,
+                        help="where batches go: auto (the GPU if any, else the host), host, "
+                             "cuda, cuda:N (an error where there is no such GPU)")
     parser.add_argument("--quick", action="store_true",
                         help="a short run: a few batches per path, smaller micro tables")
     parser.add_argument("--sizes", type=float, nargs="+",
-                        help="pin_sizes: batch sizes in MB (default: 1 16 256)")
+                        help="pin_sizes: batch sizes in MiB (default: 1 16 256)")
     parser.add_argument("--seconds", type=float,
                         help="pin_sizes: least time spent timing each cell (default: 0.5)")
     parser.add_argument("--hang-report", type=float, default=300.0, metavar="SECONDS",
@@ -1539,11 +1605,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PATH",
                         help="also draw the workload cases (PNG; needs matplotlib: "
-                             "pip install 'fastpin[plot]')")
+                             "pip install matplotlib)")
     parser.add_argument("--from-json", metavar="PATH",
                         help="measure nothing: print (and --plot) a run that --json wrote")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    parser.add_argument("--list", action="store_true", help="list the cases and paths")
+    parser.add_argument("--list", action="store_true",
+                        help="list the cases and paths, each with what it measures")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
 
     def out(text: str = "") -> None:
@@ -1558,9 +1630,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.list:
         out("cases:")
         for name in MICRO:
-            out(f"  {name}")
+            out(f"  {name:14s}{_MICRO_WHAT.get(name) or _SECTION.get(name, ('', name))[1]}")
         for w in CASES.values():
-            out(f"  {w.name:14s}{w.title}")
+            out(f"  {w.name:14s}{w.title} ({w.batch_bytes / MB:.3g} MiB a batch): every path")
         out("paths:")
         for p in PATHS.values():
             out(f"  {p.name:14s}{p.what}")
@@ -1569,7 +1641,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            parser.error("--plot needs matplotlib: pip install 'fastpin[plot]'")
+            parser.error(f"--plot needs matplotlib: {_MATPLOTLIB}")
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
@@ -1578,6 +1650,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             plot(saved, args.plot)
             out(f"\nPlot: {args.plot}")
         return 0
+    if torch is None:
+        print(f"python -m fastpin.bench: {_torch.message('the benchmark')}", file=sys.stderr)
+        return 1
+    if args.device.startswith("cuda"):
+        gpu, why = _gpu()
+        if not gpu:
+            parser.error(f"--device {args.device}: no GPU to deliver to here ({why}); use "
+                         "--device auto (the GPU if any, else the host) or --device host")
+        if ":" in args.device and int(args.device.partition(":")[2]) >= torch.cuda.device_count():
+            parser.error(f"--device {args.device}: this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
 
     global _hang_report_s
     _hang_report_s = args.hang_report or None

@@ -1,0 +1,162 @@
+"""fastpin.bench says what it ran: the device it was asked for, the column
+labels and units of its tables, how many batches each path timed, and the
+README lists every option, path and compare() argument it takes.
+
+No timing thresholds: only what the output says."""
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import fastpin
+from fastpin import bench
+from conftest import patterned
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+no_gpu = pytest.mark.skipif(fastpin.cuda_available(), reason="checks the machine without a GPU")
+
+
+class Eight(Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return patterned((64,), torch.float32, i)
+
+
+def eight_batches(pin_memory: bool) -> DataLoader:
+    return DataLoader(Eight(), batch_size=4, pin_memory=pin_memory)
+
+
+# ---- --device ---------------------------------------------------------------------
+
+@no_gpu
+def test_device_cuda_without_a_gpu_is_an_error_not_a_host_run(capsys):
+    # Bug: --device cuda with no GPU ran on the host and exited 0.
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--device", "cuda", "--quick", "--case", "tokens", "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: no GPU to deliver to here" in err
+    assert fastpin.cuda_status().reason in err and "--device host" in err
+
+
+def test_device_bogus_is_a_usage_error(capsys):
+    # Bug: --device bogus ended in a raw torch traceback.
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--device", "bogus", "--quick"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --device: 'bogus' is not a device" in err and "Traceback" not in err
+
+
+# ---- --list -----------------------------------------------------------------------
+
+def test_list_describes_every_case(capsys):
+    # Bug: the three micro cases were listed by name alone.
+    assert bench.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name in bench.CASE_NAMES:
+        [line] = [ln for ln in lines if ln.split()[:1] == [name]]
+        assert len(line.split()) > 4, line
+
+
+# ---- labels and units ---------------------------------------------------------------
+
+def loader_result(gpu: bool) -> dict:
+    row = {"dtype": "uint8", "workers": 1, "batch_mb": 256 * 3 * 224 * 224 / bench.MB,
+           "stock_gbps": 1.0, "stock_cpu_ms": 1.0, "copy_gbps": 2.0, "copy_cpu_ms": 1.0,
+           "zero_copy_gbps": 3.0, "zero_copy_cpu_ms": 0.5, "zero_copy_fallbacks": 0,
+           "batches_timed": [5, 5, 5]}
+    return {"gpu": gpu, "batches": 10, "batch_size": 256, "rows": [row], "max_seconds": 3.0}
+
+
+def test_loader_table_without_a_gpu_says_pin_memory_was_false():
+    # Bug: with no GPU the column said pin_memory=True and the caption "pinned host
+    # batches", though DataLoader ran with pin_memory=False and nothing was pinned.
+    text = bench.format_loader_table(loader_result(gpu=False))
+    assert "pin_memory=True" not in text and "pinned host batches" not in text
+    assert "| pin_memory=False |" in text and "zero-copy / pin_memory=False" in text
+    assert "nothing is page-locked" in text
+    text = bench.format_loader_table(loader_result(gpu=True))
+    assert "| pin_memory=True |" in text and "to the GPU" in text
+
+
+def test_sizes_are_mib_and_labelled_so():
+    # Bug: sizes were MiB (1 << 20) labelled MB.
+    text = bench.format_loader_table(loader_result(gpu=False))
+    assert "| 36.8 MiB |" in text and not re.search(r"\bMB\b", text)
+    pins = {"gpu": False, "torch_threads": 2, "fastpin_threads": 2,
+            "rows": [{"size_mb": 1, "memcpy_1": 1.0, "memcpy_n": 2.0, "memcpy_pool": 2.0,
+                      "fastpin": 2.0}]}
+    text = bench.format_pin_table(pins)
+    assert "| 1 MiB |" in text and not re.search(r"\bMB\b", text)
+    res = bench.compare(eight_batches, paths=["pageable", "loader_host"], batches=2, warmup=0,
+                        device=None, progress=False)
+    text = res.markdown()
+    assert "MiB batches" in text and "pinned MiB held" in text and not re.search(r"\bMB\b", text)
+
+
+# ---- a short loader -----------------------------------------------------------------
+
+def test_a_short_loader_says_how_many_batches_each_path_timed():
+    # Bug: a loader of 8 batches with batches=100 timed 4 per path; the table did not
+    # say so and print(results) claimed 100.
+    res = bench.compare(eight_batches, paths=["pageable", "fastpin_pin"], batches=100,
+                        device=None, progress=False)
+    for row in res.ran:
+        assert row.batches == 4 and "ran out after 4 of 100" in row.reason
+    text = str(res)
+    assert "100 timed" not in text and "4 timed (of 100 asked for)" in text
+    assert "| pageable .to() | 4 (too few) |" in res.table()
+    assert text.count("warning: ") == 2 and "timed only 4 batches" in text
+    assert bench.Results.from_dict(res.to_dict()).markdown() == res.markdown()
+
+
+def test_enough_batches_carry_no_warning():
+    res = bench.compare(eight_batches, paths=["pageable"], batches=3, warmup=0, device=None,
+                        progress=False)
+    assert res["pageable"].batches == 3 and not res["pageable"].reason
+    assert "3 timed after 0 warm-up" in res.header()
+    # 3 batches of a few bytes in well under a second: flagged, though none ran out.
+    assert "warning: pageable .to() timed only 3 batches" in res.markdown()
+    long = bench.Row("pageable", batches=3, gbps=1.0, step_ms=400.0)
+    assert not bench._too_few(long)
+
+
+# ---- the README -----------------------------------------------------------------------
+
+@pytest.fixture
+def readme() -> str:
+    if not README.exists():
+        pytest.skip("README.md is not next to tests/ (an unpacked wheel?)")
+    return README.read_text()
+
+
+def test_readme_lists_every_option(readme):
+    # Bug: "Other options" left out --sizes and --seconds.
+    options = [o for a in bench._parser()._actions for o in a.option_strings
+               if o.startswith("--") and o != "--help"]
+    missing = [o for o in options if f"`{o}" not in readme]
+    assert not missing, missing
+
+
+def test_readme_lists_every_path_name(readme):
+    # Bug: the names --path and compare(paths=) take were nowhere in the README.
+    missing = [p for p in bench.PATHS if f"`{p}`" not in readme]
+    assert not missing, missing
+
+
+def test_readme_gives_compare_its_whole_signature(readme):
+    # Bug: the documented signature left out max_seconds, name and title.
+    m = re.search(r"`compare\((loader_factory.*?)\)`", readme, re.S)
+    assert m, "no `compare(...)` signature in the README"
+    documented = " ".join(m.group(1).split()).replace('"', "'")
+    for name, p in inspect.signature(bench.compare).parameters.items():
+        text = name if p.default is inspect.Parameter.empty else f"{name}={p.default!r}"
+        assert text in documented, text
