@@ -27,7 +27,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from . import _C, _numa
-from ._arena import cuda_available, default_arena, device_index
+from ._arena import _check_int, check_capacity, cuda_available, default_arena, device_index
 from ._pin import pin_memory
 from ._walk import map_leaves
 from ._walk import nbytes as batch_nbytes
@@ -95,8 +95,23 @@ class Loader:
                  capacity: Optional[int] = None):
         import torch
 
-        if depth < 1:
-            raise ValueError(f"depth must be at least 1, not {depth}")
+        depth = _check_int("fastpin.Loader: depth", depth, 1, None, "1 or more batches")
+        if not isinstance(zero_copy, bool):
+            raise TypeError(f"fastpin.Loader: zero_copy must be True or False, not {zero_copy!r}")
+        if arena is not None and not isinstance(arena, _C.Arena):
+            raise TypeError("fastpin.Loader: arena must be a fastpin._C.Arena or None, not "
+                            f"{type(arena).__name__}")
+        if capacity is not None:
+            if not zero_copy:
+                raise ValueError(
+                    "fastpin.Loader: capacity sizes the shared arena of zero_copy=True and means "
+                    "nothing without it; size the arena batches are pinned in with "
+                    "fastpin.configure(capacity=...) or pass arena=fastpin._C.Arena(nbytes)")
+            capacity = check_capacity(capacity, "fastpin.Loader: capacity")
+        if device is not None and not isinstance(device, (str, int, torch.device)) \
+                or isinstance(device, bool):
+            raise TypeError("fastpin.Loader: device must be None, 'cpu', 'cuda', 'cuda:N', an int "
+                            f"or a torch.device, not {device!r}")
         self.loader = loader
         self.depth = depth
         self._arena = arena
