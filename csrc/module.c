@@ -147,6 +147,31 @@ static int fp_u64_arg(PyObject *obj, const char *name, uint64_t lo, uint64_t hi,
     return 0;
 }
 
+/* Reads a copy's (dst, src, nbytes) for `what`: each an address or size >= 0
+ * (not wrapped, as "K" would), and neither range running past the end of the
+ * address space. */
+static int fp_span_args(PyObject *dst_obj, PyObject *src_obj, PyObject *size_obj,
+                        const char *what, uint64_t *dst, uint64_t *src, uint64_t *size)
+{
+    char name[64];
+    PyOS_snprintf(name, sizeof name, "%s: dst", what);
+    if (fp_u64_arg(dst_obj, name, 0, UINTPTR_MAX, "an address >= 0", dst))
+        return -1;
+    PyOS_snprintf(name, sizeof name, "%s: src", what);
+    if (fp_u64_arg(src_obj, name, 0, UINTPTR_MAX, "an address >= 0", src))
+        return -1;
+    PyOS_snprintf(name, sizeof name, "%s: nbytes", what);
+    if (fp_u64_arg(size_obj, name, 0, UINT64_MAX, "a number of bytes >= 0", size))
+        return -1;
+    if (*size > UINTPTR_MAX - *dst || *size > UINTPTR_MAX - *src) {
+        PyErr_Format(PyExc_ValueError, "%s: %llu bytes from address %llu to %llu run past the "
+                     "end of the address space", what, (unsigned long long)*size,
+                     (unsigned long long)*src, (unsigned long long)*dst);
+        return -1;
+    }
+    return 0;
+}
+
 /* ---- Block ------------------------------------------------------------- */
 
 /* Returns a new reference to a Block that steals `lease`'s reference. */
@@ -1016,8 +1041,10 @@ static PyObject *fp_cpu_count_py(PyObject *module, PyObject *Py_UNUSED(ignored))
 static PyObject *fp_copy(PyObject *module, PyObject *args)
 {
     fp_state *st = PyModule_GetState(module);
-    unsigned long long dst, src, size;
-    if (!PyArg_ParseTuple(args, "KKK:copy", &dst, &src, &size))
+    PyObject *dst_obj, *src_obj, *size_obj;
+    uint64_t dst, src, size;
+    if (!PyArg_ParseTuple(args, "OOO:copy", &dst_obj, &src_obj, &size_obj) ||
+        fp_span_args(dst_obj, src_obj, size_obj, "copy", &dst, &src, &size))
         return NULL;
     fp_copier_t *copier = fp_get_copier(st);
     if (!copier)
@@ -1071,10 +1098,12 @@ static PyObject *fp_h2d(PyObject *module, PyObject *args)
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long dst, src, size;
+        PyObject *dst_obj, *src_obj, *size_obj;
+        uint64_t dst, src, size;
         int pinned;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KKKp:h2d", &dst, &src, &size,
-                              &pinned))
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OOOp:h2d", &dst_obj, &src_obj,
+                              &size_obj, &pinned) ||
+            fp_span_args(dst_obj, src_obj, size_obj, "h2d", &dst, &src, &size))
             goto done;
         items[i] = (fp_h2d_t){.dst = dst, .src = (const void *)(uintptr_t)src, .size = size,
                               .pinned = pinned};

@@ -19,6 +19,8 @@ from fastpin import _C, _arena
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX = _C.MAX_CAPACITY
+# Every test here has a time limit: a hang fails it instead of stalling the run.
+pytestmark = pytest.mark.timeout(60)
 
 
 def test_max_capacity_is_the_cores():
@@ -251,3 +253,22 @@ def test_arena_other_arguments():
     with pytest.raises(_C.ArenaFullError):
         a.alloc(2 ** 64 - 1)
     assert a.stats()["blocks_in_use"] == 0 and a.is_valid()
+
+
+def test_raw_copies_refuse_negative_and_wrapping_spans():
+    with pytest.raises(ValueError, match=r"copy: nbytes must be a number of bytes >= 0, not -1"):
+        _C.copy(4096, 8192, -1)
+    with pytest.raises(ValueError, match=r"copy: src must be an address >= 0, not -8"):
+        _C.copy(4096, -8, 8)
+    with pytest.raises(ValueError, match="copy: 16 bytes .* run past the end of the address space"):
+        _C.copy(4096, 2 ** 64 - 8, 16)
+    a = _C.Arena(1 << 20, cuda=False)
+    with pytest.raises(ValueError, match=r"h2d: nbytes must be a number of bytes >= 0, not -3"):
+        _C.h2d(a, 0, [(4096, 8192, -3, False)])
+    with pytest.raises(ValueError, match="h2d: .* run past the end of the address space"):
+        _C.h2d(a, 0, [(2 ** 64 - 4, 8192, 16, True)])
+    src, dst = bytearray(b"\x11\x22" * 32), bytearray(64)
+    s = ctypes.addressof((ctypes.c_char * 64).from_buffer(src))
+    d = ctypes.addressof((ctypes.c_char * 64).from_buffer(dst))
+    _C.copy(d, s, 64)  # and still copies what is valid
+    assert dst == src
