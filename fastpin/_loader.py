@@ -112,6 +112,12 @@ class Loader:
         arena of `capacity` bytes (default: fastpin.configure's), so the main process
         copies nothing. Sets the DataLoader's collate_fn; needs a DataLoader whose
         workers have not started yet.
+
+    Leaving an epoch (break, an exception, Ctrl-C, a new iter(), interpreter exit)
+    never waits on the source: a DataLoader's workers are shut down when the epoch
+    is dropped, as the DataLoader's own iterator does it (bounded joins, then
+    kill), and a thread still inside a slow source finishes its batch there and
+    drops it. Any number of threads may draw from one epoch; each sees its end.
     """
 
     def __init__(self, loader: Iterable, device: Any = "cuda", depth: int = 2, *,

@@ -32,6 +32,8 @@ from conftest import patterned
 MARGIN = 1.0  # seconds a fastpin exit may take beyond the plain DataLoader's (a shared, slow machine)
 SLOW = 0.4    # seconds per sample of the slow source
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Every test here has a time limit: a hang fails it instead of stalling the run.
+pytestmark = pytest.mark.timeout(60)
 
 
 class Slow(Dataset):
@@ -523,3 +525,25 @@ def test_break_with_hung_workers_and_the_pin_thread(accelerator):
         assert not wait_gone()
     finally:
         fastpin.uninstall()
+
+
+# ---- on the GPU machine ------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("depth", [0, 2])
+def test_cuda_batches_from_a_refilling_source_are_right(depth):
+    """depth=0 reads the source in the consumer's thread, copying under the
+    Loader's stream there; depth=2 relies on the copy having read the source's
+    pageable buffer before the source is asked for the next batch."""
+    loader = fastpin.Loader(Refilling(), device="cuda", depth=depth)
+    for k, batch in enumerate(loader):
+        assert batch["x"].is_cuda
+        assert torch.equal(batch["x"].cpu(), patterned((4096,), torch.int32, seed=k))
+    assert k == 39
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_cuda_break_with_hung_workers():
+    both("hang", _break, device="cuda")
