@@ -7,7 +7,8 @@ running after --cap seconds is killed and shown as "> cap".
 
 Times are seconds: for break, from the `break` to the line after the loop;
 for Ctrl-C and interpreter exit, from the signal (or the script's last line)
-to the end of the process; for the watchdog, from the SIGALRM handler's raise
+to the end of the process (caught: to the
+line after `del it`); for the watchdog, from the SIGALRM handler's raise
 to the `except`; for a new iter(), the iter() call.
 """
 from __future__ import annotations
@@ -75,6 +76,23 @@ CASES = {
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         threading.Timer(0.5, interrupt).start()
         next(it)
+    """),
+    "sigint_caught_hang": ("a worker that hangs: Ctrl-C in next(), caught, the iterator dropped", """
+        it = iter(wrap(DataLoader(Hang(), batch_size=1, num_workers=2)))
+        next(it)
+        sent = []
+        def interrupt():
+            sent.append(time.monotonic())
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        threading.Timer(0.5, interrupt).start()
+        try:
+            next(it)
+        except KeyboardInterrupt:
+            raised = time.monotonic()
+        del it
+        report(time.monotonic() - sent[0])
+        print("interrupt", raised - sent[0], file=sys.stderr)
+        os._exit(0)
     """),
     "exit_hang": ("a worker that hangs: interpreter exit", """
         it = iter(wrap(DataLoader(Hang(), batch_size=1, num_workers=2)))
