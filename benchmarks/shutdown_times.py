@@ -31,6 +31,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 import fastpin
 MODE, SLOW = sys.argv[1], float(sys.argv[2])
+# Started from a background job, SIGINT comes ignored: Ctrl-C as at a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+SETTLE = 0.5  # after the first batch: every worker busy (or hung) by now, for both loaders
 class Slow(Dataset):
     def __len__(self): return 1000
     def __getitem__(self, i):
@@ -52,18 +55,21 @@ def report(seconds):
 CASES = {
     "break_slow0": ("`break`, slow source, 0 workers", """
         for b in wrap(DataLoader(Slow(), batch_size=1)):
+            time.sleep(SETTLE)
             t0 = time.monotonic()
             break
         report(time.monotonic() - t0)
     """),
     "break_slow2": ("`break`, slow source, 2 workers", """
         for b in wrap(DataLoader(Slow(), batch_size=1, num_workers=2)):
+            time.sleep(SETTLE)
             t0 = time.monotonic()
             break
         report(time.monotonic() - t0)
     """),
     "break_hang": ("a worker that hangs: `break`", """
         for b in wrap(DataLoader(Hang(), batch_size=1, num_workers=2)):
+            time.sleep(SETTLE)
             t0 = time.monotonic()
             break
         report(time.monotonic() - t0)
@@ -71,6 +77,7 @@ CASES = {
     "sigint_hang": ("a worker that hangs: Ctrl-C (uncaught)", """
         it = iter(wrap(DataLoader(Hang(), batch_size=1, num_workers=2)))
         next(it)
+        time.sleep(SETTLE)
         def interrupt():
             print("T0", time.time(), flush=True)
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
@@ -80,6 +87,7 @@ CASES = {
     "sigint_caught_hang": ("a worker that hangs: Ctrl-C in next(), caught, the iterator dropped", """
         it = iter(wrap(DataLoader(Hang(), batch_size=1, num_workers=2)))
         next(it)
+        time.sleep(SETTLE)
         sent = []
         def interrupt():
             sent.append(time.monotonic())
@@ -97,6 +105,7 @@ CASES = {
     "exit_hang": ("a worker that hangs: interpreter exit", """
         it = iter(wrap(DataLoader(Hang(), batch_size=1, num_workers=2)))
         next(it)
+        time.sleep(SETTLE)
         print("T0", time.time(), flush=True)
     """),
     "alarm_slow0": ("SIGALRM watchdog raising in the loop, slow source, 0 workers", """
@@ -116,6 +125,7 @@ CASES = {
         loader = wrap(DataLoader(Hang(), batch_size=1, num_workers=2))
         first = iter(loader)
         next(first)
+        time.sleep(SETTLE)
         t0 = time.monotonic()
         second = iter(loader)
         report(time.monotonic() - t0)

@@ -540,9 +540,10 @@ class _Producer:
         """End the epoch's thread as a dropped DataLoader iterator ends its
         workers, and never wait on a thread that may never return: a thread busy
         queueing or preparing a batch gets a short grace; one inside the source
-        is left there (a daemon that drops whatever it gets from it), and a
-        DataLoader iterator it waits on has its workers shut down here, just as
-        the DataLoader's own __del__ would at this point. Safe from any thread."""
+        (or past the grace) is left there, a daemon that drops whatever it gets
+        from then on, and the DataLoader iterator it reads has its workers shut
+        down here, just as the DataLoader's own __del__ would at this point.
+        Safe from any thread."""
         self.halt()
         if _exiting or threading.current_thread() is self.thread or not self.thread.is_alive():
             return
@@ -551,7 +552,9 @@ class _Producer:
             self.drain()
             self.thread.join(0.01)
         source = self.source
-        if self.thread.is_alive() and self.in_source and source is not None:
+        if self.thread.is_alive() and source is not None:
+            # Inside next(source), or past the grace in prepare: the workers go
+            # now either way, as they would with the DataLoader alone.
             _shutdown_workers(source)
         self.drain()
         if not self.thread.is_alive():

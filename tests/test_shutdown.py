@@ -63,7 +63,10 @@ SOURCES = {"hang": (Hang, 2), "slow0": (Slow, 0), "slow2": (Slow, 2)}
 @pytest.fixture(autouse=True)
 def short_worker_joins(monkeypatch):
     monkeypatch.setattr(dl_utils, "MP_STATUS_CHECK_INTERVAL", 1.0)
+    # A CI job started in the background inherits SIGINT ignored: Ctrl-C as at a terminal.
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
+    signal.signal(signal.SIGINT, old)
     # Nothing of the test may outlive it.
     assert not wait_gone(), "a fastpin-loader thread outlived the test"
     assert not multiprocessing.active_children(), "a DataLoader worker outlived the test"
@@ -172,6 +175,30 @@ def test_sigint_raises_at_once_while_the_producer_is_stuck():
     with pytest.raises(StopIteration):
         next(it)  # the epoch is over
     del it
+
+
+@pytest.mark.timeout(60)
+def test_break_while_the_producer_waits_for_room_waits_only_briefly():
+    """A producer busy past the grace (here: on_full="wait" for room in an arena
+    the consumer's batch fills) is abandoned, not joined; it drops its batch."""
+    policy = fastpin._arena.policy()
+    fastpin.configure(on_full="wait", wait_timeout=3)
+    try:
+        arena = _C.Arena(64 << 10, cuda=False)
+        batches = [patterned((10 << 10,), torch.int32, seed=k) for k in range(4)]  # 40 KiB each
+        for batch in fastpin.Loader(batches, device=None, arena=arena, depth=1):
+            time.sleep(0.2)  # the producer waits for room by now
+            t0 = time.monotonic()
+            break
+        took = time.monotonic() - t0
+        assert 0.5 < took < 1.0 + MARGIN, took  # the grace (1 s), not the 3 s wait
+        assert torch.equal(batch, batches[0])
+        del batch
+        assert not wait_gone(3 + 2 * MARGIN)
+        gc.collect()
+        assert arena.stats()["blocks_in_use"] == 0
+    finally:
+        fastpin.configure(on_full=policy["on_full"], wait_timeout=policy["wait_timeout"])
 
 
 # ---- a new iter() --------------------------------------------------------------------
@@ -294,6 +321,7 @@ dl = DataLoader(dataset, batch_size=1, num_workers=workers)
 loader = dl if mode == "plain" else fastpin.Loader(dl, device=None)
 it = iter(loader)
 batch = next(it)
+time.sleep(0.3)  # every worker busy or hung by now
 source = it if mode == "plain" else it.producer.source
 pids = [w.pid for w in source._workers] if workers else []
 print("PIDS", *pids, flush=True)
