@@ -195,7 +195,7 @@ def _check_device(device: Any) -> int:
     where no GPU is usable: nothing is registered then)."""
     index = _check_int("device", device, 0, None, "a CUDA device ordinal >= 0")
     count = _C.cuda_status()["device_count"]
-    if cuda_available() and index >= count:
+    if cuda_available() and 0 < count <= index:
         raise ValueError(f"device must be a CUDA device ordinal from 0 to {count - 1} "
                          f"(this machine has {count}), not {index}")
     return index
