@@ -105,6 +105,73 @@ static fp_copier_t *fp_get_copier(fp_state *st)
     return st->copier;
 }
 
+/* ---- argument checks ------------------------------------------------- */
+
+/* Reads `obj` (an int, or anything with __index__) into `out` if it lies in
+ * [lo, hi]; else raises, naming the argument and what it may be, with the value
+ * as given (PyArg's "K" would wrap -5 to 2**64 - 5 without a word). */
+static int fp_u64_arg(PyObject *obj, const char *name, uint64_t lo, uint64_t hi,
+                      const char *allowed, uint64_t *out)
+{
+    if (PyBool_Check(obj) || !PyIndex_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an integer, %s, not %.100s %R", name, allowed,
+                     Py_TYPE(obj)->tp_name, obj);
+        return -1;
+    }
+    PyObject *index = PyNumber_Index(obj);
+    if (!index)
+        return -1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(index, &overflow);
+    unsigned long long u = 0;
+    if (v == -1 && PyErr_Occurred()) {
+        Py_DECREF(index);
+        return -1;
+    }
+    int ok;
+    if (overflow > 0) {
+        u = PyLong_AsUnsignedLongLong(index);
+        ok = !(u == (unsigned long long)-1 && PyErr_Occurred());
+        PyErr_Clear();
+    } else {
+        ok = overflow == 0 && v >= 0;
+        u = (unsigned long long)v;
+    }
+    if (!ok || u < lo || u > hi) {
+        PyErr_Format(PyExc_ValueError, "%s must be %s, not %R", name, allowed, index);
+        Py_DECREF(index);
+        return -1;
+    }
+    Py_DECREF(index);
+    *out = u;
+    return 0;
+}
+
+/* Reads a copy's (dst, src, nbytes) for `what`: each an address or size >= 0
+ * (not wrapped, as "K" would), and neither range running past the end of the
+ * address space. */
+static int fp_span_args(PyObject *dst_obj, PyObject *src_obj, PyObject *size_obj,
+                        const char *what, uint64_t *dst, uint64_t *src, uint64_t *size)
+{
+    char name[64];
+    PyOS_snprintf(name, sizeof name, "%s: dst", what);
+    if (fp_u64_arg(dst_obj, name, 0, UINTPTR_MAX, "an address >= 0", dst))
+        return -1;
+    PyOS_snprintf(name, sizeof name, "%s: src", what);
+    if (fp_u64_arg(src_obj, name, 0, UINTPTR_MAX, "an address >= 0", src))
+        return -1;
+    PyOS_snprintf(name, sizeof name, "%s: nbytes", what);
+    if (fp_u64_arg(size_obj, name, 0, UINT64_MAX, "a number of bytes >= 0", size))
+        return -1;
+    if (*size > UINTPTR_MAX - *dst || *size > UINTPTR_MAX - *src) {
+        PyErr_Format(PyExc_ValueError, "%s: %llu bytes from address %llu to %llu run past the "
+                     "end of the address space", what, (unsigned long long)*size,
+                     (unsigned long long)*src, (unsigned long long)*dst);
+        return -1;
+    }
+    return 0;
+}
+
 /* ---- Block ------------------------------------------------------------- */
 
 /* Returns a new reference to a Block that steals `lease`'s reference. */
@@ -152,29 +219,50 @@ static int fp_int64_seq(PyObject *seq, int64_t *out, const char *what)
 }
 
 /* Checks that `ndim` dims of `shape` x `strides` (in units of `unit` bytes)
- * at `offset`, `itemsize` bytes an element, lie inside the block. */
+ * at `offset`, `itemsize` bytes an element, lie inside the block, and that the
+ * element count fits an int64 (torch and NumPy refuse more, torch only after
+ * it has called the capsule's deleter: a double free once the capsule dies).
+ * Nothing is exported until this passes. No arithmetic here can wrap: every
+ * term is bounded by the block's size before it is scaled. */
 static int fp_check_extent(fp_lease_t *lease, uint64_t offset, int ndim,
                            const int64_t *shape, const int64_t *strides,
                            int64_t unit, int64_t itemsize)
 {
-    __int128 last = 0;
+    int64_t numel = 1;
+    int empty = 0;
     for (int i = 0; i < ndim; i++) {
         if (shape[i] < 0 || strides[i] < 0) {
-            PyErr_SetString(PyExc_ValueError, "negative shape or stride");
+            PyErr_Format(PyExc_ValueError, "negative shape or stride (dimension %d: shape %lld, "
+                         "stride %lld)", i, (long long)shape[i], (long long)strides[i]);
             return -1;
         }
-        if (shape[i] == 0)
-            return 0;
-        last += (__int128)(shape[i] - 1) * strides[i] * unit;
+        if (__builtin_mul_overflow(numel, shape[i], &numel)) {
+            PyErr_Format(PyExc_ValueError, "a shape whose element count overflows int64 "
+                         "(dimension %d of %lld)", i, (long long)shape[i]);
+            return -1;
+        }
+        empty |= shape[i] == 0;
     }
-    if ((__int128)offset + last + itemsize > (__int128)lease->size) {
-        PyErr_Format(PyExc_ValueError,
-                     "view of %lld bytes at offset %llu does not fit a block of %llu bytes",
-                     (long long)(last + itemsize), (unsigned long long)offset,
-                     (unsigned long long)lease->size);
-        return -1;
+    if (empty)
+        return 0;
+    unsigned __int128 size = lease->size, last = 0;
+    for (int i = 0; i < ndim; i++) {
+        /* < 2**63 x < 2**63: no wrap; past the block means refused. */
+        unsigned __int128 span = (unsigned __int128)(shape[i] - 1) * (uint64_t)strides[i];
+        if (span > size || span * (uint64_t)unit > size)
+            goto too_big;
+        last += span * (uint64_t)unit;
+        if (last > size)
+            goto too_big;
     }
-    return 0;
+    if ((unsigned __int128)offset + last + (uint64_t)itemsize <= size)
+        return 0;
+too_big:
+    PyErr_Format(PyExc_ValueError, "a view at offset %llu with this shape and these strides "
+                 "(%lld-byte elements) does not fit a block of %llu bytes",
+                 (unsigned long long)offset, (long long)itemsize,
+                 (unsigned long long)lease->size);
+    return -1;
 }
 
 /* Block.dlpack(offset, shape, strides, code, bits, lanes=1, version=-1,
@@ -183,15 +271,18 @@ static PyObject *Block_dlpack(BlockObject *self, PyObject *args, PyObject *kwarg
 {
     static char *kwlist[] = {"offset", "shape", "strides", "code", "bits", "lanes",
                              "version", "readonly", NULL};
-    unsigned long long offset;
-    PyObject *shape_obj, *strides_obj;
+    PyObject *offset_obj, *shape_obj, *strides_obj;
     unsigned char code, bits;
-    unsigned short lanes = 1;
-    int minor = -1, readonly = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KOObb|Hip:dlpack", kwlist, &offset,
+    int lanes = 1, minor = -1, readonly = 0;
+    uint64_t offset;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOObb|iip:dlpack", kwlist, &offset_obj,
                                      &shape_obj, &strides_obj, &code, &bits, &lanes,
                                      &minor, &readonly))
         return NULL;
+    if (fp_u64_arg(offset_obj, "dlpack: offset", 0, UINT64_MAX, "a byte offset >= 0", &offset))
+        return NULL;
+    if (lanes < 1 || lanes > UINT16_MAX)
+        return PyErr_Format(PyExc_ValueError, "dlpack: lanes must be 1 to 65535, not %d", lanes);
     int64_t shape[FP_DLPACK_MAX_NDIM], strides[FP_DLPACK_MAX_NDIM];
     int ndim = fp_int64_seq(shape_obj, shape, "shape");
     if (ndim < 0)
@@ -207,7 +298,7 @@ static PyObject *Block_dlpack(BlockObject *self, PyObject *args, PyObject *kwarg
     int64_t itemsize = ((int64_t)bits * lanes + 7) / 8;
     if (fp_check_extent(self->lease, offset, ndim, shape, strides, itemsize, itemsize))
         return NULL;
-    DLDataType dtype = {.code = code, .bits = bits, .lanes = lanes};
+    DLDataType dtype = {.code = code, .bits = bits, .lanes = (uint16_t)lanes};
     return fp_dlpack_capsule(self->lease, self->lease->ptr + offset, ndim, shape, strides,
                              dtype, minor, readonly);
 }
@@ -216,12 +307,16 @@ static PyObject *Block_dlpack(BlockObject *self, PyObject *args, PyObject *kwarg
  * block (strides in bytes, as NumPy's), whose base is this Block. */
 static PyObject *Block_numpy(BlockObject *self, PyObject *args)
 {
-    unsigned long long offset;
-    PyObject *shape_obj, *strides_obj;
+    PyObject *offset_obj, *shape_obj, *strides_obj;
     PyArray_Descr *descr;
-    if (!PyArg_ParseTuple(args, "KOOO&:numpy", &offset, &shape_obj, &strides_obj,
+    uint64_t offset;
+    if (!PyArg_ParseTuple(args, "OOOO&:numpy", &offset_obj, &shape_obj, &strides_obj,
                           PyArray_DescrConverter, &descr))
         return NULL;
+    if (fp_u64_arg(offset_obj, "numpy: offset", 0, UINT64_MAX, "a byte offset >= 0", &offset)) {
+        Py_DECREF(descr);
+        return NULL;
+    }
     if (PyDataType_REFCHK(descr)) {
         /* Object references cannot live in raw block memory. */
         PyErr_Format(PyExc_TypeError, "a block cannot hold arrays of dtype %R", descr);
@@ -413,12 +508,20 @@ static PyObject *Arena_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"capacity", "shared", "device", "cuda", "max_blocks", "numa_node",
                              NULL};
-    unsigned long long capacity;
+    PyObject *capacity_obj, *max_blocks_obj = NULL;
     int shared = 0, device = 0, cuda = 1, numa_node = -1;
-    unsigned int max_blocks = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "K|$pipIi:Arena", kwlist, &capacity,
-                                     &shared, &device, &cuda, &max_blocks, &numa_node))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$pipOi:Arena", kwlist, &capacity_obj,
+                                     &shared, &device, &cuda, &max_blocks_obj, &numa_node))
         return NULL;
+    uint64_t capacity, max_blocks = 0;
+    if (fp_u64_arg(capacity_obj, "Arena: capacity", 1, FP_MAX_CAPACITY,
+                   "a number of bytes from 1 to 8796093022208 (2**43)", &capacity) ||
+        (max_blocks_obj && fp_u64_arg(max_blocks_obj, "Arena: max_blocks", 0, UINT32_MAX - 1,
+                                      "0 (the default) to 4294967294", &max_blocks)))
+        return NULL;
+    if (device < 0)
+        return PyErr_Format(PyExc_ValueError, "Arena: device must be a CUDA ordinal >= 0, not %d",
+                            device);
     ArenaObject *self = (ArenaObject *)type->tp_alloc(type, 0);
     if (!self)
         return NULL;
@@ -426,7 +529,8 @@ static PyObject *Arena_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     int status;
     /* Registration page-locks the whole region: seconds for many GiB. */
     Py_BEGIN_ALLOW_THREADS
-    status = fp_arena_create_numa(&self->arena, capacity, max_blocks, flags, device, numa_node);
+    status = fp_arena_create_numa(&self->arena, capacity, (uint32_t)max_blocks, flags, device,
+                                  numa_node);
     Py_END_ALLOW_THREADS
     if (status) {
         Py_DECREF(self);
@@ -470,8 +574,8 @@ static void Arena_dealloc(ArenaObject *self)
 static PyObject *Arena_alloc(ArenaObject *self, PyObject *arg)
 {
     fp_state *st = fp_state_of_type(Py_TYPE(self));
-    unsigned long long size = PyLong_AsUnsignedLongLong(arg);
-    if (size == (unsigned long long)-1 && PyErr_Occurred())
+    uint64_t size;
+    if (fp_u64_arg(arg, "alloc: nbytes", 0, UINT64_MAX, "a number of bytes >= 0", &size))
         return NULL;
     fp_lease_t *lease;
     int status;
@@ -511,9 +615,28 @@ static PyObject *Arena_pin(ArenaObject *self, PyObject *args)
     }
     uint64_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long addr, size;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KK:pin", &addr, &size))
+        PyObject *addr_obj, *size_obj;
+        uint64_t addr, size;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OO:pin", &addr_obj, &size_obj) ||
+            fp_u64_arg(addr_obj, "pin: a source's address", 0, UINTPTR_MAX, "an address >= 0",
+                       &addr) ||
+            fp_u64_arg(size_obj, "pin: a source's nbytes", 0, UINT64_MAX, "a number of bytes >= 0",
+                       &size))
             goto done;
+        /* Bounded before rounding, so nothing below wraps (2**64 - 1 would
+         * round to a 0-byte block and then be copied in full). */
+        if (size > FP_MAX_CAPACITY || total + size > FP_MAX_CAPACITY) {
+            PyErr_Format(st->ArenaFullError, "pin: %llu bytes (source %zd) and %llu before it: "
+                         "more than any arena holds (2**43 bytes)", (unsigned long long)size,
+                         i, (unsigned long long)total);
+            goto done;
+        }
+        if (addr && size > UINTPTR_MAX - addr) {
+            PyErr_Format(PyExc_ValueError, "pin: source %zd at address %llu of %llu bytes runs "
+                         "past the end of the address space", i, (unsigned long long)addr,
+                         (unsigned long long)size);
+            goto done;
+        }
         offsets[i] = total;
         copies[i].src = (const void *)(uintptr_t)addr;
         copies[i].size = size;
@@ -965,8 +1088,10 @@ static PyObject *fp_cpu_count_py(PyObject *module, PyObject *Py_UNUSED(ignored))
 static PyObject *fp_copy(PyObject *module, PyObject *args)
 {
     fp_state *st = PyModule_GetState(module);
-    unsigned long long dst, src, size;
-    if (!PyArg_ParseTuple(args, "KKK:copy", &dst, &src, &size))
+    PyObject *dst_obj, *src_obj, *size_obj;
+    uint64_t dst, src, size;
+    if (!PyArg_ParseTuple(args, "OOO:copy", &dst_obj, &src_obj, &size_obj) ||
+        fp_span_args(dst_obj, src_obj, size_obj, "copy", &dst, &src, &size))
         return NULL;
     fp_copier_t *copier = fp_get_copier(st);
     if (!copier)
@@ -1020,10 +1145,12 @@ static PyObject *fp_h2d(PyObject *module, PyObject *args)
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long dst, src, size;
+        PyObject *dst_obj, *src_obj, *size_obj;
+        uint64_t dst, src, size;
         int pinned;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KKKp:h2d", &dst, &src, &size,
-                              &pinned))
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OOOp:h2d", &dst_obj, &src_obj,
+                              &size_obj, &pinned) ||
+            fp_span_args(dst_obj, src_obj, size_obj, "h2d", &dst, &src, &size))
             goto done;
         items[i] = (fp_h2d_t){.dst = dst, .src = (const void *)(uintptr_t)src, .size = size,
                               .pinned = pinned};
@@ -1109,7 +1236,14 @@ static int fp_exec(PyObject *module)
         PyModule_AddObjectRef(module, "CudaError", st->CudaError) < 0 ||
         PyModule_AddObjectRef(module, "ArenaFullError", st->ArenaFullError) < 0)
         return -1;
-    return PyModule_AddIntConstant(module, "GRANULE", FP_GRANULE);
+    if (PyModule_AddIntConstant(module, "GRANULE", FP_GRANULE) < 0)
+        return -1;
+    PyObject *max_capacity = PyLong_FromUnsignedLongLong(FP_MAX_CAPACITY);
+    if (!max_capacity)
+        return -1;
+    int added = PyModule_AddObjectRef(module, "MAX_CAPACITY", max_capacity);
+    Py_DECREF(max_capacity);
+    return added;
 }
 
 static int fp_traverse(PyObject *module, visitproc visit, void *arg)

@@ -10,6 +10,7 @@ from _typeshed import FileDescriptorLike
 from typing_extensions import Self
 
 GRANULE: int
+MAX_CAPACITY: int  # the largest arena, bytes (2**43)
 
 class FastpinError(RuntimeError):
     """A failure inside fastpin's core."""

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import logging
+import math
+import numbers
+import operator
 import os
 import sys
 import threading
@@ -14,14 +17,72 @@ log = logging.getLogger("fastpin")
 _GiB = 1 << 30
 
 
-def _env_int(name: str, default: int) -> int:
+# The largest arena the core can carve (FP_MAX_CAPACITY in csrc/fastpin.h).
+MAX_CAPACITY = _C.MAX_CAPACITY
+MAX_THREADS = 1024  # fp_set_threads' bound
+
+
+def _check_int(name: str, value: Any, lo: int, hi: Optional[int], allowed: str) -> int:
+    """`value` as an int in [lo, hi] (hi None: no bound); the error names the
+    setting and what it may be. bool is refused (True is not a size)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be {allowed}, not {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, {allowed}, not {type(value).__name__} "
+                        f"{value!r}") from None
+    if number < lo or (hi is not None and number > hi):
+        raise ValueError(f"{name} must be {allowed}, not {number}")
+    return number
+
+
+def check_capacity(value: Any, name: str = "capacity") -> int:
+    """An arena cap in bytes: an int from 1 to MAX_CAPACITY (2**43)."""
+    return _check_int(name, value, 1, MAX_CAPACITY,
+                      f"a number of bytes from 1 to {MAX_CAPACITY} (2**43)")
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, not {value!r}")
+
+
+def _check_seconds(name: str, value: Any) -> float:
+    """A finite number of seconds >= 0 (nan and inf refused: a wait must end)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds (finite, >= 0), not {value!r}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, not {value!r}")
+    return seconds
+
+
+def _env_int(name: str, default: int, lo: int, hi: int, allowed: str) -> int:
+    """An integer environment variable, checked at import like the setting it names."""
     value = os.environ.get(name)
-    if value is None or value == "":
+    if value is None or value.strip() == "":
         return default
     try:
-        return int(value)
+        number = int(value.strip())
     except ValueError:
-        raise ValueError(f"{name} must be an integer number of bytes/threads, not {value!r}") from None
+        raise ValueError(f"{name}={value!r}: must be {allowed}") from None
+    if not lo <= number <= hi:
+        raise ValueError(f"{name}={value!r}: must be {allowed}")
+    return number
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    word = value.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r}: must be 1 or 0 (or true/false, yes/no, on/off)")
 
 
 class CudaStatus(NamedTuple):
@@ -51,20 +112,25 @@ def cuda_available() -> bool:
 
 
 _lock = threading.Lock()
-_capacity = _env_int("FASTPIN_ARENA_BYTES", _GiB)
+_capacity = _env_int("FASTPIN_ARENA_BYTES", _GiB, 1, MAX_CAPACITY,
+                     f"a number of bytes from 1 to {MAX_CAPACITY} (2**43)")
 _device: Optional[int] = None
 ON_FULL = ("fallback", "wait", "raise")
-_policy = {"on_full": os.environ.get("FASTPIN_ON_FULL", "fallback"), "wait_timeout": 10.0,
-           "allow_unpinned": os.environ.get("FASTPIN_ALLOW_UNPINNED", "0") not in ("", "0")}
+_policy = {"on_full": os.environ.get("FASTPIN_ON_FULL", "fallback").strip() or "fallback",
+           "wait_timeout": 10.0, "allow_unpinned": _env_flag("FASTPIN_ALLOW_UNPINNED", False)}
+_env_flag("FASTPIN_NUMA", True)  # read by _numa; checked here, with the others, at import
 if _policy["on_full"] not in ON_FULL:
-    raise ValueError(f"FASTPIN_ON_FULL must be one of {ON_FULL}, not {_policy['on_full']!r}")
+    raise ValueError(f"FASTPIN_ON_FULL={_policy['on_full']!r}: must be one of "
+                     f"{', '.join(ON_FULL)}")
 # The default arenas of this process, by CUDA ordinal (-1: no usable GPU): each
 # is registered in its own device's primary context and records its events
 # there, so a batch read by GPU N is reused only after GPU N is done with it.
 _arenas: dict = {}
 _arena: Optional[_C.Arena] = None  # the last default arena made (for tests and debugging)
 _arena_pid = 0
-_C.set_threads(_env_int("FASTPIN_THREADS", 0))
+_C.set_threads(_env_int("FASTPIN_THREADS", 0, 1, MAX_THREADS,
+                        f"a number of copy threads from 1 to {MAX_THREADS} (unset: the CPUs "
+                        "this process may use, at most 16)"))
 
 
 def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
@@ -92,26 +158,35 @@ def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
     FASTPIN_ALLOW_UNPINNED=1): when the driver refuses to page-lock the arena,
     warn and go on with ordinary memory instead of raising."""
     global _capacity, _device, _arena
+    # Every value is checked before any is applied: a bad call changes nothing.
+    if on_full is not None and on_full not in ON_FULL:
+        raise ValueError(f"on_full must be one of {', '.join(map(repr, ON_FULL))}, "
+                         f"not {on_full!r}")
+    if wait_timeout is not None:
+        wait_timeout = _check_seconds("wait_timeout", wait_timeout)
+    if allow_unpinned is not None:
+        allow_unpinned = _check_bool("allow_unpinned", allow_unpinned)
+    if numa is not None:
+        numa = _check_bool("numa", numa)
+    if capacity is not None:
+        capacity = check_capacity(capacity)
+    if threads is not None:
+        threads = _check_int("threads", threads, 0, MAX_THREADS,
+                             f"0 (the default: the CPUs this process may use, at most 16) "
+                             f"to {MAX_THREADS}")
+    if device is not None:
+        device = _check_device(device)
     if on_full is not None:
-        if on_full not in ON_FULL:
-            raise ValueError(f"on_full must be one of {ON_FULL}, not {on_full!r}")
         _policy["on_full"] = on_full
     if wait_timeout is not None:
-        if wait_timeout < 0:
-            raise ValueError(f"wait_timeout must be >= 0, not {wait_timeout}")
-        _policy["wait_timeout"] = float(wait_timeout)
+        _policy["wait_timeout"] = wait_timeout
     if allow_unpinned is not None:
-        _policy["allow_unpinned"] = bool(allow_unpinned)
+        _policy["allow_unpinned"] = allow_unpinned
     with _lock:
-        if capacity is not None:
-            if capacity <= 0:
-                raise ValueError(f"capacity must be positive, not {capacity}")
-            if capacity != _capacity:
-                _capacity = capacity
-                _arenas.clear()
+        if capacity is not None and capacity != _capacity:
+            _capacity = capacity
+            _arenas.clear()
         if device is not None:
-            if device < 0:
-                raise ValueError(f"device must be a CUDA ordinal >= 0, not {device}")
             _device = device
         if numa is not None and bool(numa) != _numa.enabled():
             _arenas.clear()
@@ -119,6 +194,17 @@ def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
         _numa.set_enabled(numa)
     if threads is not None:
         _C.set_threads(threads)
+
+
+def _check_device(device: Any) -> int:
+    """configure(device=...): a CUDA ordinal this machine has (any ordinal >= 0
+    where no GPU is usable: nothing is registered then)."""
+    index = _check_int("device", device, 0, None, "a CUDA device ordinal >= 0")
+    count = _C.cuda_status()["device_count"]
+    if cuda_available() and 0 < count <= index:
+        raise ValueError(f"device must be a CUDA device ordinal from 0 to {count - 1} "
+                         f"(this machine has {count}), not {index}")
+    return index
 
 
 def get_capacity() -> int:

@@ -16,6 +16,7 @@ pages on the GPU's NUMA node; the copy threads run on that node's CPUs.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -27,7 +28,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from . import _C, _graphs, _numa, _torch
-from ._arena import cuda_available, default_arena, device_index
+from ._arena import _check_int, check_capacity, cuda_available, default_arena, device_index
 from ._pin import pin_memory
 from ._walk import map_leaves
 from ._walk import nbytes as batch_nbytes
@@ -36,6 +37,23 @@ log = logging.getLogger("fastpin")
 
 _STOP = object()  # end of the epoch
 _POLL = 0.1       # seconds between checks of the stop flag while blocked
+# How long a closing epoch waits for a producer that is not inside the source
+# (queueing or preparing a batch: bounded work) before abandoning it.
+_GRACE = 1.0
+
+# Producers still running, so that interpreter exit can stop them without
+# waiting on any (a worker may hang forever; the DataLoader's own exit path,
+# multiprocessing's atexit, terminates its workers without waiting either).
+_producers: "weakref.WeakSet[_Producer]" = weakref.WeakSet()
+_exiting = False
+
+
+@atexit.register
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+    for producer in list(_producers):
+        producer.stop.set()
 
 
 class _Failure:
@@ -82,12 +100,24 @@ class Loader:
         torchrun, call torch.cuda.set_device(local_rank) first, or name the device).
         None: batches come back pinned on the host for the current GPU (for code
         that does its own .to(..., non_blocking=True)). "cpu": batches pass through
-        unchanged, prefetched in the background.
-    depth: how many batches are prepared ahead of the consumer (>= 1).
+        unchanged, prefetched in the background: the source's own objects are
+        handed over, up to depth + 1 batches after the source made them. A source
+        that refills one buffer for every batch (common in custom loaders) has
+        overwritten them by then: give such a source depth=0.
+    depth: how many batches are prepared ahead of the consumer (default 2). 0: no
+        prefetch and no thread; each batch is taken from the source, and copied or
+        pinned, in the consumer's own thread when next() asks for it, as the plain
+        loop would (safe with sources that reuse their buffers).
     zero_copy: the DataLoader's workers collate straight into a shared, page-locked
         arena of `capacity` bytes (default: fastpin.configure's), so the main process
         copies nothing. Sets the DataLoader's collate_fn; needs a DataLoader whose
         workers have not started yet.
+
+    Leaving an epoch (break, an exception, Ctrl-C, a new iter(), interpreter exit)
+    never waits on the source: a DataLoader's workers are shut down when the epoch
+    is dropped, as the DataLoader's own iterator does it (bounded joins, then
+    kill), and a thread still inside a slow source finishes its batch there and
+    drops it. Any number of threads may draw from one epoch; each sees its end.
     """
 
     def __init__(self, loader: Iterable, device: Any = "cuda", depth: int = 2, *,
@@ -95,8 +125,23 @@ class Loader:
                  capacity: Optional[int] = None):
         torch = _torch.require("fastpin.Loader")
 
-        if depth < 1:
-            raise ValueError(f"depth must be at least 1, not {depth}")
+        depth = _check_int("fastpin.Loader: depth", depth, 0, None, "0 (no prefetch) or more batches")
+        if not isinstance(zero_copy, bool):
+            raise TypeError(f"fastpin.Loader: zero_copy must be True or False, not {zero_copy!r}")
+        if arena is not None and not isinstance(arena, _C.Arena):
+            raise TypeError("fastpin.Loader: arena must be a fastpin._C.Arena or None, not "
+                            f"{type(arena).__name__}")
+        if capacity is not None:
+            if not zero_copy:
+                raise ValueError(
+                    "fastpin.Loader: capacity sizes the shared arena of zero_copy=True and means "
+                    "nothing without it; size the arena batches are pinned in with "
+                    "fastpin.configure(capacity=...) or pass arena=fastpin._C.Arena(nbytes)")
+            capacity = check_capacity(capacity, "fastpin.Loader: capacity")
+        if device is not None and not isinstance(device, (str, int, torch.device)) \
+                or isinstance(device, bool):
+            raise TypeError("fastpin.Loader: device must be None, 'cpu', 'cuda', 'cuda:N', an int "
+                            f"or a torch.device, not {device!r}")
         self.loader = loader
         self.depth = depth
         self._arena = arena
@@ -125,6 +170,7 @@ class Loader:
         _numa.pin_threads(self._placement)
         _graphs.watch()  # the blocks this Loader hands out are fenced on free
         self._active: Optional[weakref.ref] = None
+        self._producer: Optional[weakref.ref] = None
         if zero_copy:
             self._setup_zero_copy(arena, capacity)
 
@@ -172,8 +218,12 @@ class Loader:
         previous = self._active() if self._active is not None else None
         if previous is not None:
             previous.close()
-        epoch = _Epoch(self)
+        # The previous epoch's thread, if it still runs (it may be inside the
+        # source after a break): the new one does not read the source beside it.
+        producer = self._producer() if self._producer is not None else None
+        epoch = _Epoch(self, producer)
         self._active = weakref.ref(epoch)
+        self._producer = weakref.ref(epoch.producer)
         return epoch
 
     def state_dict(self) -> dict:
@@ -215,7 +265,7 @@ class _Producer:
     prepares them and queues them, `depth` ahead of the consumer. It holds no
     reference to the consumer's iterator, so dropping that (a break) stops it."""
 
-    def __init__(self, owner: Loader):
+    def __init__(self, owner: Loader, previous: "Optional[_Producer]" = None, start: bool = True):
         import torch
 
         self.torch = torch
@@ -245,11 +295,31 @@ class _Producer:
                                 and torch.cuda.is_available() else None)
         # Sources that copies in flight may still read, with the batch's event.
         self.in_flight: list = []
+        # True while the thread is inside next(source): there it may stay for as
+        # long as the source likes (a slow dataset, a worker that hangs), so a
+        # closing epoch does not wait for it (see shutdown).
+        self.in_source = False
+        if previous is not None and (previous.source is owner.loader or previous.source is
+                                     getattr(owner.loader, "_iterator", None)):
+            # The source is the previous epoch's own iterator (an iterator given
+            # as the loader, a DataLoader's persistent workers): one thread at a
+            # time may be inside it. The plain DataLoader waits here as well (its
+            # _reset waits for every worker to resume).
+            previous.wait()
+            previous = None
         self.source = iter(owner.loader)
+        # Another iterator over the same dataset, run in this process by a
+        # previous epoch's thread that is still inside it (0 workers, a plain
+        # iterable): this thread waits for it to leave before reading the source,
+        # so the dataset is never read by two threads at once.
+        self.previous = previous if previous is not None and not _worker_backed(previous.source) else None
         self.thread = threading.Thread(target=self.run, name="fastpin-loader", daemon=True)
-        self.thread.start()
+        if start:
+            _producers.add(self)
+            self.thread.start()
 
     def run(self) -> None:
+        source = self.source
         try:
             if self.copy_stream is not None:
                 # Before any other CUDA call of this thread: a new thread's
@@ -261,12 +331,23 @@ class _Producer:
                 self.torch.cuda.set_stream(self.copy_stream)
             # This thread copies its share of every batch (the pool helps).
             _numa.pin_this_thread(self.placement)
-            while not self.stop.is_set():
+            if self.previous is not None:
+                while self.previous.thread.is_alive() and not self.stop.is_set():
+                    self.previous.thread.join(_POLL)
+                self.previous = None
+            while True:
+                self.in_source = True
+                if self.stop.is_set():
+                    return
                 try:
-                    batch = next(self.source)
+                    batch = next(source)
                 except StopIteration:
+                    self.in_source = False
                     self.put(_STOP)
                     return
+                self.in_source = False
+                if self.stop.is_set():
+                    return  # abandoned while in the source: the batch is dropped here
                 t0 = time.perf_counter()
                 item = self.prepare(batch)
                 batch = None  # a zero-copy batch's block is free to go once copied
@@ -274,22 +355,39 @@ class _Producer:
                 with self.stats.lock:
                     self.stats.copy_seconds += dt
                 self.put(item)
+                item = None
         except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
-            self.put(_Failure(exc))
+            self.in_source = False
+            if not self.stop.is_set():
+                self.put(_Failure(exc))
         finally:
-            self.source = None  # a DataLoader iterator shuts its workers down
-            if self.zero_copy:
+            self.in_source = False
+            # Dropping the last reference to a DataLoader iterator shuts its
+            # workers down (a no-op if the consumer did so already).
+            self.source = source = None
+            if self.stop.is_set():
+                self.drain()  # what a stopped epoch queued goes, never to nobody
+            if self.zero_copy and not _exiting:
                 # Workers that died before their batches arrived (killed, or
                 # shut down with results still queued) leave blocks behind.
                 self.arena.reclaim()
 
     def put(self, item) -> None:
+        """Queue `item` for the consumer; once the epoch is stopped, drop it."""
         while not self.stop.is_set():
             try:
                 self.queue.put(item, timeout=_POLL)
                 return
             except queue.Full:
                 continue
+
+    def drain(self) -> None:
+        """Drop what is queued (the batches' memory goes back as they die)."""
+        while True:
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                return
 
     def prepare(self, batch):
         if self.zero_copy:
@@ -429,33 +527,92 @@ class _Producer:
             self.stats.bytes += sum(c[2] for c in copies)
         return event
 
-    def shutdown(self) -> None:
-        """Stop the thread and drop what it prepared; safe from any thread."""
+    def halt(self) -> None:
+        """Ask the thread to stop and drop what it queued; waits for nothing.
+        What the thread produces from now on it drops itself."""
         self.stop.set()
+        self.drain()
+
+    def wait(self) -> None:
+        """Wait for the (halted) thread to end, interruptibly (Ctrl-C)."""
         while self.thread.is_alive() and threading.current_thread() is not self.thread:
-            try:
-                self.queue.get(timeout=_POLL)  # unblock a put on a full queue
-            except queue.Empty:
-                pass
-            self.thread.join(timeout=_POLL)
-        while True:
-            try:
-                self.queue.get_nowait()
-            except queue.Empty:
-                break
-        self.in_flight.clear()
+            self.drain()
+            self.thread.join(_POLL)
+
+    def shutdown(self) -> None:
+        """End the epoch's thread as a dropped DataLoader iterator ends its
+        workers, and never wait on a thread that may never return: a thread busy
+        queueing or preparing a batch gets a short grace; one inside the source
+        (or past the grace) is left there, a daemon that drops whatever it gets
+        from then on, and the DataLoader iterator it reads has its workers shut
+        down here, just as the DataLoader's own __del__ would at this point.
+        Safe from any thread."""
+        self.halt()
+        if _exiting or threading.current_thread() is self.thread or not self.thread.is_alive():
+            return
+        deadline = time.monotonic() + _GRACE
+        while self.thread.is_alive() and not self.in_source and time.monotonic() < deadline:
+            self.drain()
+            self.thread.join(0.01)
+        source = self.source
+        if self.thread.is_alive() and source is not None:
+            # Inside next(source), or past the grace in prepare: the workers go
+            # now either way, as they would with the DataLoader alone.
+            _shutdown_workers(source)
+        self.drain()
+        if not self.thread.is_alive():
+            self.in_flight.clear()
+
+
+def _worker_backed(source) -> bool:
+    """A DataLoader iterator with worker processes: a thread inside its next()
+    only waits on its queues, and reads no dataset in this process."""
+    return hasattr(source, "_shutdown_workers")
+
+
+def _shutdown_workers(source) -> None:
+    """Shut down a DataLoader iterator's workers from another thread than the one
+    waiting in its next(), the way its __del__ does (DataLoader's own bounded
+    joins, then terminate), and wake that thread: once the workers are gone, its
+    data-queue loop never returns by itself (without a DataLoader timeout it
+    polls forever), so a sentinel it cannot unpack makes next() raise there,
+    where the stopped thread drops the error."""
+    shutdown = getattr(source, "_shutdown_workers", None)
+    if shutdown is None or getattr(source, "_persistent_workers", False):
+        # Persistent workers outlive the epoch, as with the plain DataLoader;
+        # the thread leaves next() when their batch arrives.
+        return
+    try:
+        shutdown()
+    except Exception as exc:  # noqa: BLE001 - a half shut-down iterator: its __del__ retries
+        log.debug("fastpin.Loader: shutting down the DataLoader's workers: %r", exc)
+    data_queue = getattr(source, "_data_queue", None)
+    try:
+        if hasattr(data_queue, "cancel_join_thread"):
+            data_queue.cancel_join_thread()  # never wait at exit to flush the sentinel
+        data_queue.put(None)
+    except Exception:  # noqa: BLE001 - closed already: nothing waits on it
+        pass
 
 
 class _Epoch:
-    """The consumer's iterator over one epoch."""
+    """The consumer's iterator over one epoch. Any number of threads may draw
+    from it; each sees the end. Closing it never waits on the source: see
+    _Producer.shutdown, run when the epoch is dropped (as a DataLoader iterator
+    shuts its workers down in __del__)."""
 
-    def __init__(self, owner: Loader):
-        self.producer = _Producer(owner)
+    def __init__(self, owner: Loader, previous: Optional[_Producer] = None):
+        self.sync = owner.depth == 0
+        self.producer = _Producer(owner, previous, start=not self.sync)
         self.torch = self.producer.torch
         self.device = owner.device
         self.stats = owner._stats
         self.closed = False
         self._finalizer = weakref.finalize(self, self.producer.shutdown)
+        # At interpreter exit, nothing is joined or shut down (the exit hook
+        # stops the thread; multiprocessing terminates the workers), as with
+        # the DataLoader, whose __del__ does nothing once Python is exiting.
+        self._finalizer.atexit = False
 
     def __iter__(self):
         return self
@@ -463,20 +620,10 @@ class _Epoch:
     def __next__(self):
         if self.closed:
             raise StopIteration
-        t0 = time.perf_counter()
-        try:
-            item = self.producer.queue.get()
-        except BaseException:
-            self.close()  # Ctrl-C while waiting: leave nothing running
-            raise
-        with self.stats.lock:
-            self.stats.wait_seconds += time.perf_counter() - t0
-        if item is _STOP:
-            self.close()
-            raise StopIteration
-        if isinstance(item, _Failure):
-            self.close()
-            raise item.exc
+        if self.sync:
+            item = self._next_here()
+        else:
+            item = self._next_queued()
         if self.device is None or self.device.type == "cpu":
             return item
         out, event, made = item
@@ -486,8 +633,61 @@ class _Epoch:
             t.record_stream(stream)
         return out
 
+    def _next_queued(self):
+        producer = self.producer
+        t0 = time.perf_counter()
+        try:
+            while True:
+                # Timed: Ctrl-C raises here at once, and a thread that drew the
+                # end (or the producer's error) ends every other thread's wait.
+                if self.closed:
+                    raise StopIteration
+                try:
+                    item = producer.queue.get(timeout=_POLL)
+                    break
+                except queue.Empty:
+                    if not producer.thread.is_alive() and producer.queue.empty():
+                        self.close()  # stopped without a word (interpreter exit)
+                        raise StopIteration from None
+        except StopIteration:
+            raise
+        except BaseException:
+            self.close()  # Ctrl-C while waiting: stop, but wait for nothing
+            raise
+        with self.stats.lock:
+            self.stats.wait_seconds += time.perf_counter() - t0
+        if item is _STOP:
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self.close()
+            exc, item.exc = item.exc, None
+            try:
+                raise exc
+            finally:
+                # No cycle through this frame: the error's traceback holds the
+                # source's frames (a DataLoader iterator), freed with the error.
+                del exc, item
+        return item
+
+    def _next_here(self):
+        """depth=0: no thread and no prefetch; the source is read, and the batch
+        prepared, in the consumer's thread when it asks."""
+        producer = self.producer
+        try:
+            batch = next(producer.source)
+        except StopIteration:
+            self.close()
+            raise
+        if producer.copy_stream is None:
+            return producer.prepare(batch)
+        torch = self.torch
+        with torch.cuda.device(self.device), torch.cuda.stream(producer.copy_stream):
+            return producer.prepare(batch)
+
     def close(self) -> None:
-        """Stop the producer and drop prepared batches (a break mid-epoch)."""
+        """Stop the epoch and drop prepared batches; waits for nothing. The
+        source's workers are shut down when the epoch is dropped."""
         if not self.closed:
             self.closed = True
-            self._finalizer()
+            self.producer.halt()

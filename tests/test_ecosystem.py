@@ -277,7 +277,8 @@ def test_subclass_with_install(accelerator, workers):
 @pytest.mark.parametrize("zero_copy", [False, True])
 def test_subclass_with_loader(zero_copy):
     inner = TaggedLoader(Samples(), batch_size=BATCH, num_workers=2, tag="train")
-    loader = fastpin.Loader(inner, device=None, zero_copy=zero_copy, capacity=8 << 20)
+    sized = {"capacity": 8 << 20} if zero_copy else {}  # capacity is zero-copy's alone
+    loader = fastpin.Loader(inner, device=None, zero_copy=zero_copy, **sized)
     assert loader.zero_copy == zero_copy
     # The wrapped loader's attributes and methods, as training frameworks expect.
     assert loader.tag == "train" and loader.batch_size == BATCH

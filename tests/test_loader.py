@@ -132,7 +132,7 @@ def test_cuda_without_gpu_is_a_clear_error():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="depth"):
-        fastpin.Loader([], device="cpu", depth=0)
+        fastpin.Loader([], device="cpu", depth=-1)
     with pytest.raises(ValueError, match="cuda and cpu"):
         fastpin.Loader([], device="meta")
 
