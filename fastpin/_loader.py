@@ -86,8 +86,13 @@ class Loader:
     depth: how many batches are prepared ahead of the consumer (>= 1).
     zero_copy: the DataLoader's workers collate straight into a shared, page-locked
         arena of `capacity` bytes (default: fastpin.configure's), so the main process
-        copies nothing. Sets the DataLoader's collate_fn; needs a DataLoader whose
-        workers have not started yet.
+        copies nothing. The DataLoader itself is left as it was: the Loader iterates
+        a shallow copy of it (same dataset, sampler, generator and settings as when
+        wrapped) whose workers run fastpin's collate_fn, with workers of its own, so
+        plain iteration of the DataLoader and other Loaders over it are unaffected.
+        With persistent_workers=True the Loader's workers (and the arena they write
+        into) persist across its epochs and end with the Loader; a new Loader over
+        the same DataLoader starts workers of its own.
     """
 
     def __init__(self, loader: Iterable, device: Any = "cuda", depth: int = 2, *,
@@ -98,6 +103,7 @@ class Loader:
         if depth < 1:
             raise ValueError(f"depth must be at least 1, not {depth}")
         self.loader = loader
+        self._source = loader  # what an epoch iterates (zero-copy: a view of loader)
         self.depth = depth
         self._arena = arena
         self._stats = _Stats()
@@ -138,7 +144,7 @@ class Loader:
 
     def _setup_zero_copy(self, arena: Optional[_C.Arena], capacity: Optional[int]) -> None:
         """Make the shared arena (registered with CUDA here, before any worker
-        starts) and hand the DataLoader's workers a collate_fn that writes into it."""
+        starts) and the view of the DataLoader whose workers write into it."""
         from torch.utils.data import DataLoader
 
         from . import _zerocopy
@@ -147,11 +153,6 @@ class Loader:
         if not isinstance(self.loader, DataLoader):
             raise TypeError("fastpin.Loader(zero_copy=True) needs a torch.utils.data.DataLoader, "
                             f"not {type(self.loader).__name__}")
-        if getattr(self.loader, "_iterator", None) is not None:
-            warnings.warn("fastpin.Loader(zero_copy=True): the DataLoader's persistent workers "
-                          "already run with their own collate_fn; batches will be pinned by copy",
-                          RuntimeWarning, stacklevel=3)
-            return
         if arena is None:
             arena = _C.Arena(capacity or get_capacity(), shared=True, device=max(self._index, 0),
                              cuda=self._index >= 0, numa_node=self._placement.node)
@@ -160,7 +161,8 @@ class Loader:
                              "(_C.Arena(..., shared=True))")
         _zerocopy.register(arena)
         self._arena = arena
-        self.loader.collate_fn = _zerocopy.wrap_collate(self.loader.collate_fn, arena)
+        self._source = _zerocopy.dataloader_view(
+            self.loader, _zerocopy.wrap_collate(self.loader.collate_fn, [arena]))
         self.zero_copy = True
 
     def __len__(self) -> int:
@@ -181,12 +183,12 @@ class Loader:
         of them: take the state between epochs to resume exactly."""
         if not hasattr(self.loader, "state_dict"):
             raise AttributeError(f"{type(self.loader).__name__} has no state_dict()")
-        return self.loader.state_dict()
+        return self._source.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         if not hasattr(self.loader, "load_state_dict"):
             raise AttributeError(f"{type(self.loader).__name__} has no load_state_dict()")
-        self.loader.load_state_dict(state)
+        self._source.load_state_dict(state)
 
     def __getattr__(self, name):
         # dataset, batch_size, sampler, ... of the wrapped DataLoader, as
@@ -244,7 +246,7 @@ class _Producer:
                                 and torch.cuda.is_available() else None)
         # Sources that copies in flight may still read, with the batch's event.
         self.in_flight: list = []
-        self.source = iter(owner.loader)
+        self.source = iter(owner._source)
         self.thread = threading.Thread(target=self.run, name="fastpin-loader", daemon=True)
         self.thread.start()
 

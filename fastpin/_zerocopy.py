@@ -2,13 +2,22 @@
 page-locked arena, and the main process takes the blocks over without copying.
 
 The main process creates the arena (a memfd) and registers it with CUDA once,
-before any worker starts. The DataLoader's collate_fn is wrapped in a
-_WorkerCollate that travels to each worker (as a file descriptor under spawn
-and forkserver, inherited under fork), attaches the arena there (workers never
-touch CUDA), stacks the samples directly into one block per batch, and returns
-a small _Shipped descriptor. Unpickling it in the main process adopts the
-block: from then on the main process owns it, and it is freed, after the GPU
-is done with it, when the batch's tensors die.
+before any worker starts. The workers run a _WorkerCollate (the DataLoader's
+collate_fn wrapped) that carries the arena's identity (its token and file
+descriptor: inherited under fork, passed as a descriptor under spawn and
+forkserver), attaches the arena there (workers never touch CUDA), stacks the
+samples directly into one block per batch, and returns a small _Shipped
+descriptor. Unpickling it in the main process adopts the block: from then on
+the main process owns it, and it is freed, after the GPU is done with it, when
+the batch's tensors die.
+
+The user's DataLoader is never changed. The Loader iterates a view of it
+(dataloader_view: a shallow copy that shares its dataset, sampler and
+generator, with the wrapped collate_fn and iterators of its own), so a plain
+`for b in dl`, a second Loader, or a new Loader every epoch each see the
+DataLoader as it was. The collate_fn a worker runs is fixed when the worker
+starts: persistent workers keep theirs for their lifetime, so the view (which
+holds them) and the arena they write into live as long as the Loader does.
 
 A worker that finds the arena full falls back to the ordinary collate path
 (the main process then pins by copy) and counts it; blocks of a worker that
@@ -40,14 +49,13 @@ from ._walk import map_leaves
 
 _GRANULE = _C.GRANULE
 
-# Main process: the arenas whose blocks may arrive here, by token.
+# The arenas this process made whose blocks may arrive here, by token. A
+# forked child inherits its parent's: _registry() forgets them there.
 _arenas: "weakref.WeakValueDictionary[int, _C.Arena]" = weakref.WeakValueDictionary()
+_arenas_pid = os.getpid()
 # Worker processes: the arenas attached there, by token, with the attaching pid.
 _attached: dict = {}
 _attach_lock = threading.Lock()
-
-
-_creators: dict = {}  # token -> pid of the process that made the arena
 
 # Workers map the whole registered arena when they attach, rather than fault
 # on each page of each block they first write (benchmarks/profile_zero_copy.py
@@ -55,10 +63,18 @@ _creators: dict = {}  # token -> pid of the process that made the arena
 PREFAULT = True
 
 
+def _registry() -> "weakref.WeakValueDictionary[int, _C.Arena]":
+    """The arenas this process registered (none of a parent's, after fork)."""
+    global _arenas_pid
+    if _arenas_pid != os.getpid():
+        _arenas.clear()
+        _arenas_pid = os.getpid()
+    return _arenas
+
+
 def register(arena: _C.Arena) -> None:
     """Let blocks of `arena` shipped by workers be adopted in this process."""
-    _arenas[arena.token] = arena
-    _creators[arena.token] = os.getpid()
+    _registry()[arena.token] = arena
 
 
 # ---- the worker side ---------------------------------------------------------
@@ -191,8 +207,8 @@ class _Adopted:
 
 
 def _adopt(token, index, nbytes, tree):
-    arena = _arenas.get(token)
-    if arena is None or _creators.get(token) != os.getpid():
+    arena = _registry().get(token)
+    if arena is None:
         raise RuntimeError(
             "fastpin: a batch arrived from a zero-copy worker, but its arena is not known in "
             "this process (unpickled outside the Loader that made it?)")
@@ -201,8 +217,8 @@ def _adopt(token, index, nbytes, tree):
 
 def _attach(fd: int, token: int) -> _C.Arena:
     """The arena with this token in this process: its own, or attached by fd."""
-    own = _arenas.get(token)
-    if own is not None and _creators.get(token) == os.getpid():
+    own = _registry().get(token)
+    if own is not None:
         return own  # collating in the main process (num_workers=0)
     with _attach_lock:
         entry = _attached.get(token)
@@ -219,33 +235,39 @@ def _attach(fd: int, token: int) -> _C.Arena:
 
 
 class _WorkerCollate:
-    """The collate_fn DataLoader workers run in zero-copy mode."""
+    """The collate_fn DataLoader workers run in zero-copy mode. It carries the
+    identity of the arenas it writes into (file descriptor and token), fixed
+    when it is made: a worker that starts with it writes there for its life."""
 
-    def __init__(self, collate_fn: Optional[Callable], fd: int, token: int):
+    def __init__(self, collate_fn: Optional[Callable], segments):
         self.collate_fn = collate_fn  # None: default_collate
-        self.fd = fd
-        self.token = token
+        self.segments = list(segments)  # (fd, token), newest first
 
     def __reduce__(self):
-        # spawn / forkserver: the memfd travels as a file descriptor.
-        return (_WorkerCollate._rebuild, (self.collate_fn, reduction.DupFd(self.fd), self.token))
+        # spawn / forkserver: each memfd travels as a file descriptor.
+        return (_WorkerCollate._rebuild,
+                (self.collate_fn, [(reduction.DupFd(fd), token) for fd, token in self.segments]))
 
     @staticmethod
-    def _rebuild(collate_fn, dupfd, token):
-        return _WorkerCollate(collate_fn, dupfd.detach(), token)
+    def _rebuild(collate_fn, segments):
+        return _WorkerCollate(collate_fn, [(dup.detach(), token) for dup, token in segments])
 
     def __call__(self, samples):
         if self.collate_fn is None:
             tree = collate(samples, collate_fn_map=_placeholder_map)
         else:
             tree = self.collate_fn(samples)
-        arena = _attach(self.fd, self.token)
-        try:
-            block, shipped = _pack(tree, arena)
-        except _C.ArenaFullError:
+        arena = None
+        for fd, token in self.segments:
+            arena = _attach(fd, token)
+            try:
+                block, shipped = _pack(tree, arena)
+            except _C.ArenaFullError:
+                continue
+            return _Shipped(token, block.index, block.nbytes, shipped, block)
+        if arena is not None:
             arena.count_fallback()
-            return _stack_now(tree) if self.collate_fn is None else tree
-        return _Shipped(self.token, block.index, block.nbytes, shipped, block)
+        return _stack_now(tree) if self.collate_fn is None else tree
 
 
 def batches_ahead(loader) -> int:
@@ -261,10 +283,25 @@ def capacity_for(loader, batch_bytes: int, depth: int) -> int:
     return _C.block_size(max(batch_bytes, 1)) * (batches_ahead(loader) + depth + 6)
 
 
-def wrap_collate(collate_fn: Optional[Callable], arena: _C.Arena) -> _WorkerCollate:
+def wrap_collate(collate_fn: Optional[Callable], arenas) -> _WorkerCollate:
+    """The collate_fn for workers that write into `arenas` (tried in order)."""
     if collate_fn is default_collate:
         collate_fn = None
-    return _WorkerCollate(collate_fn, arena.fd, arena.token)
+    return _WorkerCollate(collate_fn, [(a.fd, a.token) for a in arenas])
+
+
+def dataloader_view(loader, collate_fn: Callable):
+    """A shallow copy of DataLoader `loader` whose workers run `collate_fn`: it
+    shares the dataset, sampler, generator and every other setting, and has
+    iterators (and persistent workers) of its own. `loader` is not touched,
+    so plain iteration of it, and other Loaders over it, see it as it was."""
+    view = object.__new__(type(loader))
+    # Straight into __dict__: DataLoader.__setattr__ refuses some attributes
+    # once initialised, and a subclass may guard more.
+    view.__dict__.update(vars(loader))
+    view.__dict__["collate_fn"] = collate_fn
+    view.__dict__["_iterator"] = None  # persistent workers: never the loader's own
+    return view
 
 
 # ---- the main process side ----------------------------------------------------
