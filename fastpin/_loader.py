@@ -54,16 +54,22 @@ class _Stats:
         self.wait_seconds = 0.0   # consumer time spent waiting for a batch
         self.fallbacks = 0
 
-    def as_dict(self, arena) -> dict:
-        s = arena.stats()
+    def as_dict(self, arena: Optional[_C.Arena]) -> dict:
+        # No arena made yet (nothing pinned, or a "cpu" Loader): reading stats
+        # makes none.
+        s = arena.stats() if arena is not None else {"high_water": 0, "capacity": 0,
+                                                     "numa_node": -1}
         with self.lock:
             d = {
                 "batches": self.batches,
                 "bytes": self.bytes,
                 "host_to_pinned_gbps": self.bytes / self.copy_seconds / 1e9 if self.copy_seconds else 0.0,
                 "consumer_wait_s": self.wait_seconds,
-                # Batches the main process pinned by copy: workers that found
-                # the shared arena full (zero-copy mode).
+                # Batches that found their arena full and went the ordinary
+                # way, in every mode: host mode pinned by torch, device mode
+                # copied from pageable memory, zero-copy a worker that found
+                # the shared arena full (in device mode such a batch that
+                # then finds the staging arena full too counts twice).
                 "fallbacks": self.fallbacks,
                 "worker_fallbacks": s.get("fallbacks", 0),
             }
@@ -207,8 +213,14 @@ class Loader:
 
     def stats(self) -> dict:
         """batches, bytes, host_to_pinned_gbps (producer side), consumer_wait_s (time
-        next() waited for a batch), fallbacks, pool_high_water, pool_capacity."""
-        return self._stats.as_dict(self.arena)
+        next() waited for a batch), fallbacks, pool_high_water, pool_capacity (0
+        while no arena is made: reading stats makes and page-locks nothing)."""
+        from ._arena import made_default_arena
+
+        arena = self._arena
+        if arena is None and not (self.device is not None and self.device.type == "cpu"):
+            arena = made_default_arena(self._index if self._index >= 0 else None)
+        return self._stats.as_dict(arena)
 
 
 class _Producer:
@@ -314,13 +326,29 @@ class _Producer:
                 self.count(batch)
                 return batch
         if self.device is None:
-            out = pin_memory(batch, arena=self.staging(), stream=self.consumer_stream)
+            out = self.pin(batch, counted=self.zero_copy)
             self.count(out)
             return out
         if self.device.type == "cpu":
             self.count(batch)
             return batch
         return self.to_device(batch)
+
+    def pin(self, batch, counted: bool):
+        """pin_memory into the staging arena. A batch it pins the ordinary way
+        (the arena full, or the batch over its cap) is a fallback, counted
+        here unless `counted` (zero-copy: its worker's fallback was)."""
+        from ._arena import policy
+
+        arena = self.staging()
+        if counted or policy()["on_full"] != "fallback":
+            return pin_memory(batch, arena=arena, stream=self.consumer_stream)
+        try:
+            return pin_memory(batch, arena=arena, stream=self.consumer_stream, on_full="raise")
+        except _C.ArenaFullError:
+            with self.stats.lock:
+                self.stats.fallbacks += 1
+            return pin_memory(batch, arena=arena, stream=self.consumer_stream, on_full="fallback")
 
     def staging(self) -> _C.Arena:
         """The arena batches are pinned or staged in by copy (made on first use)."""
