@@ -54,11 +54,11 @@ class _Stats:
         self.wait_seconds = 0.0   # consumer time spent waiting for a batch
         self.fallbacks = 0
 
-    def as_dict(self, arena: Optional[_C.Arena]) -> dict:
-        # No arena made yet (nothing pinned, or a "cpu" Loader): reading stats
-        # makes none.
-        s = arena.stats() if arena is not None else {"high_water": 0, "capacity": 0,
-                                                     "numa_node": -1}
+    def as_dict(self, s: Optional[dict]) -> dict:
+        # s: the arena's stats. None: no arena made yet (nothing pinned, or a
+        # "cpu" Loader), and reading stats makes none.
+        if s is None:
+            s = {"high_water": 0, "capacity": 0, "numa_node": -1}
         with self.lock:
             d = {
                 "batches": self.batches,
@@ -91,8 +91,17 @@ class Loader:
         unchanged, prefetched in the background.
     depth: how many batches are prepared ahead of the consumer (>= 1).
     zero_copy: the DataLoader's workers collate straight into a shared, page-locked
-        arena of `capacity` bytes (default: fastpin.configure's), so the main process
-        copies nothing. The DataLoader itself is left as it was: the Loader iterates
+        arena, so the main process copies nothing. With no `capacity` (or `arena`)
+        given, the arena sizes itself: it takes no memory until the first batch,
+        then grows (by adding registered segments, made in this process, that the
+        workers open) to what the workers have in flight for the batches they
+        make, capacity_for(): (num_workers x prefetch_factor + depth + 6) blocks
+        of the largest batch, never past `max_capacity` (default
+        fastpin._zerocopy.default_cap(): FASTPIN_ZERO_COPY_MAX_BYTES, else a
+        quarter of the memory and, where it applies, half of RLIMIT_MEMLOCK).
+        `capacity`: one arena of exactly that many bytes, made up front. Either
+        way a worker that finds no room falls back to the ordinary path (the
+        batch is pinned by copy here, and counted): slower, never stuck. The DataLoader itself is left as it was: the Loader iterates
         a shallow copy of it (same dataset, sampler, generator and settings as when
         wrapped) whose workers run fastpin's collate_fn, with workers of its own, so
         plain iteration of the DataLoader and other Loaders over it are unaffected.
@@ -103,7 +112,7 @@ class Loader:
 
     def __init__(self, loader: Iterable, device: Any = "cuda", depth: int = 2, *,
                  arena: Optional[_C.Arena] = None, zero_copy: bool = False,
-                 capacity: Optional[int] = None):
+                 capacity: Optional[int] = None, max_capacity: Optional[int] = None):
         import torch
 
         if depth < 1:
@@ -136,8 +145,9 @@ class Loader:
         self._placement = _numa.for_device(self._index if self._index >= 0 else None)
         _numa.pin_threads(self._placement)
         self._active: Optional[weakref.ref] = None
+        self._pool = None  # zero-copy: the shared arena's segments (fastpin._zerocopy.Pool)
         if zero_copy:
-            self._setup_zero_copy(arena, capacity)
+            self._setup_zero_copy(arena, capacity, max_capacity)
 
     def _check_arena(self, arena: _C.Arena) -> None:
         """An arena registered in another GPU's context would record its frees there:
@@ -148,27 +158,36 @@ class Loader:
                              f"registered with cuda:{owner}; make it with "
                              f"_C.Arena(..., device={self._index})")
 
-    def _setup_zero_copy(self, arena: Optional[_C.Arena], capacity: Optional[int]) -> None:
-        """Make the shared arena (registered with CUDA here, before any worker
-        starts) and the view of the DataLoader whose workers write into it."""
+    def _setup_zero_copy(self, arena: Optional[_C.Arena], capacity: Optional[int],
+                         max_capacity: Optional[int]) -> None:
+        """Make the shared arena's pool (its segments registered with CUDA here,
+        never in a worker) and the view of the DataLoader whose workers write
+        into it."""
         from torch.utils.data import DataLoader
 
         from . import _zerocopy
-        from ._arena import get_capacity
+        from ._arena import make_arena
 
         if not isinstance(self.loader, DataLoader):
             raise TypeError("fastpin.Loader(zero_copy=True) needs a torch.utils.data.DataLoader, "
                             f"not {type(self.loader).__name__}")
-        if arena is None:
-            arena = _C.Arena(capacity or get_capacity(), shared=True, device=max(self._index, 0),
-                             cuda=self._index >= 0, numa_node=self._placement.node)
-        elif arena.fd < 0:
+        if arena is not None and arena.fd < 0:
             raise ValueError("fastpin.Loader(zero_copy=True) needs a shared arena "
                              "(_C.Arena(..., shared=True))")
-        _zerocopy.register(arena)
-        self._arena = arena
+        if max_capacity is not None and max_capacity <= 0:
+            raise ValueError(f"max_capacity must be positive, not {max_capacity}")
+        index, node = self._index, self._placement.node
+
+        def make(nbytes: int) -> _C.Arena:
+            return make_arena(nbytes, shared=True, device=max(index, 0), cuda=index >= 0,
+                              numa_node=node)
+
+        self._pool = _zerocopy.Pool(
+            make, loader=self.loader, depth=self.depth, arena=arena, capacity=capacity,
+            cap=max_capacity or _zerocopy.default_cap(index >= 0))
+        self._arena = self._pool.newest()  # None while a self-sizing pool is empty
         self._source = _zerocopy.dataloader_view(
-            self.loader, _zerocopy.wrap_collate(self.loader.collate_fn, [arena]))
+            self.loader, _zerocopy.wrap_collate(self.loader.collate_fn, self._pool))
         self.zero_copy = True
 
     def __len__(self) -> int:
@@ -207,6 +226,8 @@ class Loader:
     def arena(self) -> _C.Arena:
         """The arena batches are staged or pinned in: the Loader's own, else the
         default arena of its GPU."""
+        if self._pool is not None:
+            return self._pool.newest()  # None until a self-sizing pool's first batch
         if self._arena is not None:
             return self._arena
         return default_arena(self._index if self._index >= 0 else None)
@@ -217,10 +238,12 @@ class Loader:
         while no arena is made: reading stats makes and page-locks nothing)."""
         from ._arena import made_default_arena
 
+        if self._pool is not None:
+            return self._stats.as_dict(self._pool.stats())
         arena = self._arena
         if arena is None and not (self.device is not None and self.device.type == "cpu"):
             arena = made_default_arena(self._index if self._index >= 0 else None)
-        return self._stats.as_dict(arena)
+        return self._stats.as_dict(arena.stats() if arena is not None else None)
 
 
 class _Producer:
@@ -244,6 +267,7 @@ class _Producer:
         self.index = owner._index
         self.copy_arena = None if owner.zero_copy else self.arena
         self.zero_copy = owner.zero_copy
+        self.pool = owner._pool
         self.loader = owner.loader  # the DataLoader (not its iterator): for sizing advice
         self.depth = owner.depth
         self.placement = owner._placement
@@ -294,7 +318,7 @@ class _Producer:
             if self.zero_copy:
                 # Workers that died before their batches arrived (killed, or
                 # shut down with results still queued) leave blocks behind.
-                self.arena.reclaim()
+                self.pool.reclaim()
 
     def put(self, item) -> None:
         while not self.stop.is_set():
@@ -308,7 +332,7 @@ class _Producer:
         if self.zero_copy:
             from . import _zerocopy
 
-            self.arena.collect()  # only this process can see the GPU finish with blocks
+            self.pool.collect()  # only this process can see the GPU finish with blocks
             batch = _zerocopy.adopted(batch)
             if isinstance(batch, _zerocopy._Adopted) and self.copy_stream is not None:
                 out = self.block_to_device(batch)
@@ -363,13 +387,22 @@ class _Producer:
         nbytes = batch_nbytes(batch)
         ahead = _zerocopy.batches_ahead(self.loader)
         need = _zerocopy.capacity_for(self.loader, nbytes, self.depth)
+        pool = self.pool
+        if pool.fixed:
+            advice = f"for this DataLoader give it capacity={need} ({need / 1e6:.0f} MB) or more."
+        elif pool.capacity < need:
+            advice = (f"it sizes itself, up to max_capacity={pool.cap} bytes (or "
+                      f"FASTPIN_ZERO_COPY_MAX_BYTES); for this DataLoader raise that to {need} "
+                      f"({need / 1e6:.0f} MB) or more.")
+        else:
+            advice = ("it sized itself for these batches: the batches you keep alive hold the "
+                      f"rest; keep fewer, or give capacity={need + pool.capacity} or more.")
         log.warning(
             "fastpin.Loader(zero_copy=True): a DataLoader worker found the shared arena full "
             "(%.0f MB) and collated a batch of %.1f MB the ordinary way; such batches are "
             "pinned by copy in the main process, which is slower. The arena holds the "
             "workers' batches in flight (num_workers x prefetch_factor = %d), the Loader's "
-            "depth and the batches you keep: for this DataLoader give it capacity=%d "
-            "(%.0f MB) or more.", self.arena.capacity / 1e6, nbytes / 1e6, ahead, need, need / 1e6)
+            "depth and the batches you keep: %s", pool.capacity / 1e6, nbytes / 1e6, ahead, advice)
 
     def count(self, batch) -> None:
         nbytes = batch_nbytes(batch)
@@ -431,7 +464,8 @@ class _Producer:
         torch = self.torch
         try:
             # Pinned sources alone need no staging: no arena to make for them.
-            staging = self.arena if all(c[3] for c in copies) else self.staging()
+            pinned = self.arena if not self.zero_copy else self.pool.newest()
+            staging = pinned if pinned is not None and all(c[3] for c in copies) else self.staging()
             _C.h2d(staging, self.copy_stream.cuda_stream, copies)
         except _C.ArenaFullError:
             # Live pinned batches fill the arena: copy from pageable memory,
