@@ -20,7 +20,6 @@ import logging
 import queue
 import threading
 import time
-import warnings
 import weakref
 from typing import Any, Iterable, Optional
 
@@ -54,7 +53,7 @@ class _Stats:
         self.wait_seconds = 0.0   # consumer time spent waiting for a batch
         self.fallbacks = 0
 
-    def as_dict(self, s: Optional[dict]) -> dict:
+    def as_dict(self, s: Any) -> dict:
         # s: the arena's stats. None: no arena made yet (nothing pinned, or a
         # "cpu" Loader), and reading stats makes none.
         if s is None:
@@ -101,13 +100,16 @@ class Loader:
         quarter of the memory and, where it applies, half of RLIMIT_MEMLOCK).
         `capacity`: one arena of exactly that many bytes, made up front. Either
         way a worker that finds no room falls back to the ordinary path (the
-        batch is pinned by copy here, and counted): slower, never stuck. The DataLoader itself is left as it was: the Loader iterates
-        a shallow copy of it (same dataset, sampler, generator and settings as when
-        wrapped) whose workers run fastpin's collate_fn, with workers of its own, so
-        plain iteration of the DataLoader and other Loaders over it are unaffected.
-        With persistent_workers=True the Loader's workers (and the arena they write
-        into) persist across its epochs and end with the Loader; a new Loader over
-        the same DataLoader starts workers of its own.
+        batch is pinned by copy here, and counted): slower, never stuck.
+        The DataLoader itself is left as it was: the Loader iterates a shallow
+        copy of it (same dataset, sampler, generator and settings as when
+        wrapped) whose workers run fastpin's collate_fn, with workers of its own,
+        so plain iteration of the DataLoader and other Loaders over it are
+        unaffected; take a StatefulDataLoader's state through the Loader's
+        state_dict(). With persistent_workers=True the Loader's workers (and the
+        arena they write into: their collate_fn is fixed when they start) persist
+        across its epochs and end with the Loader; a new Loader over the same
+        DataLoader starts workers of its own.
     """
 
     def __init__(self, loader: Iterable, device: Any = "cuda", depth: int = 2, *,
@@ -118,7 +120,7 @@ class Loader:
         if depth < 1:
             raise ValueError(f"depth must be at least 1, not {depth}")
         self.loader = loader
-        self._source = loader  # what an epoch iterates (zero-copy: a view of loader)
+        self._source: Any = loader  # what an epoch iterates (zero-copy: a view of loader)
         self.depth = depth
         self._arena = arena
         self._stats = _Stats()
@@ -145,7 +147,7 @@ class Loader:
         self._placement = _numa.for_device(self._index if self._index >= 0 else None)
         _numa.pin_threads(self._placement)
         self._active: Optional[weakref.ref] = None
-        self._pool = None  # zero-copy: the shared arena's segments (fastpin._zerocopy.Pool)
+        self._pool: Any = None  # zero-copy: the shared arena's segments (_zerocopy.Pool)
         if zero_copy:
             self._setup_zero_copy(arena, capacity, max_capacity)
 
@@ -223,9 +225,10 @@ class Loader:
         return getattr(self.loader, name)
 
     @property
-    def arena(self) -> _C.Arena:
+    def arena(self) -> Optional[_C.Arena]:
         """The arena batches are staged or pinned in: the Loader's own, else the
-        default arena of its GPU."""
+        default arena of its GPU. Zero-copy: the shared arena's newest segment
+        (None while a self-sizing one has seen no batch)."""
         if self._pool is not None:
             return self._pool.newest()  # None until a self-sizing pool's first batch
         if self._arena is not None:

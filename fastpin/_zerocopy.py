@@ -319,9 +319,10 @@ class _Directory:
     def ask(self, need: int) -> bool:
         """Ask for room for blocks of `need` bytes; wait (bounded) for the answer.
         True when the pool grew (or was sized for `need`), so packing may succeed."""
+        # Racy between workers (a plain read then write): a lost request is
+        # made again by the next batch that finds no room.
         if _word(self.map, _DIR_WANTED) < need:
             _set_word(self.map, _DIR_WANTED, need)
-        count = _word(self.map, _DIR_COUNT)
         try:
             os.eventfd_write(self.wake, 1)
         except OSError:
@@ -329,7 +330,7 @@ class _Directory:
         deadline = time.monotonic() + GROW_WAIT_S
         delay = 0.0005
         while time.monotonic() < deadline and not _word(self.map, _DIR_CLOSED):
-            if _word(self.map, _DIR_SERVED) >= need or _word(self.map, _DIR_COUNT) != count:
+            if _word(self.map, _DIR_SERVED) >= need:   # grown for it, or at the cap
                 self.refresh()
                 return True
             time.sleep(delay)
@@ -337,6 +338,7 @@ class _Directory:
         return False
 
     def count_fallback(self) -> None:
+        # Before the pool has a segment to count in; racy, so a lower bound.
         _set_word(self.map, _DIR_FALLBACKS, _word(self.map, _DIR_FALLBACKS) + 1)
 
 
@@ -517,9 +519,8 @@ class Pool:
     batches in flight falls back at once, as a fixed one does: never a deadlock.
     """
 
-    def __init__(self, make: Callable[[int], _C.Arena], *, loader, depth: int,
-                 cap: Optional[int] = None, arena: Optional[_C.Arena] = None,
-                 capacity: Optional[int] = None):
+    def __init__(self, make: Callable[[int], _C.Arena], *, loader, depth: int, cap: int,
+                 arena: Optional[_C.Arena] = None, capacity: Optional[int] = None):
         self.make = make
         self.loader, self.depth = loader, depth
         self.segments: list = []   # _C.Arena, newest first

@@ -87,7 +87,8 @@ class _Trainer:
 
     def __init__(self, make: Callable[[], torch.nn.Module], device: torch.device):
         self.device = device
-        self.model = make().to(device).to(memory_format=torch.channels_last)
+        self.model = make().to(device).to(
+            memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.loss = torch.nn.CrossEntropyLoss()
         self.mean = (torch.tensor(_MEAN, device=device) * 255).view(1, 3, 1, 1)
@@ -197,9 +198,10 @@ def train_table(workers: Sequence[int] = (8, 15), steps: int = 50, warmup: int =
                               batch_size)
         batch_mb = batch_size * 3 * size * size * (4 if dtype == "float32" else 1) / 1e6
         for nw in workers:
-            row = {"dtype": dtype, "workers": nw, "batch_mb": batch_mb, "bound_ips": bound,
+            row: dict = {"dtype": dtype, "workers": nw, "batch_mb": batch_mb, "bound_ips": bound,
                    "paths": {}}
             for path in paths:
+                feed: Any = None
                 try:
                     feed = _feed(path, dataset, batch_size=batch_size, workers=nw, device=device)
                     ips = _images_per_s(trainer, feed, steps, warmup, batch_size)

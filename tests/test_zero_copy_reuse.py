@@ -185,3 +185,26 @@ def test_no_workers_every_epoch_a_new_loader(nothing_left_behind):
         check(zero_copy(dl))
     check(dl)
     del dl
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_state_goes_through_the_loader(workers, nothing_left_behind):
+    StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
+
+    def make():
+        return StatefulDataLoader(Samples(), batch_size=BATCH, num_workers=workers)
+
+    loader = zero_copy(make(), depth=1)
+    it = iter(loader)
+    first = [next(it) for _ in range(2)]
+    it.close()
+    state = loader.state_dict()
+    resumed = zero_copy(make())
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    done = NBATCHES - len(rest)
+    assert 2 <= done <= 4
+    seen = [i for b in first + rest for i in b["i"].tolist()]
+    assert seen[:8] == list(range(8)) and seen[8:] == list(range(done * BATCH, N))
+    del loader, resumed, it, first, rest

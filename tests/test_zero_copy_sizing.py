@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 import fastpin
 from fastpin import _C, _zerocopy
 
-from conftest import assert_same, patterned
+from conftest import assert_same, gpu, patterned
 from test_zero_copy_reuse import nothing_left_behind  # noqa: F401 - a fixture
 
 MB = 1 << 20
@@ -60,8 +60,8 @@ def small_memory(monkeypatch):
     fastpin.configure(capacity=old)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method,persistent", [("fork", False), ("fork", True), ("spawn", False),
+                                               ("spawn", True), ("forkserver", False)])
 def test_default_settings_fit_batches_the_old_default_did_not(method, persistent, small_memory,
                                                               nothing_left_behind):
     numel = 3 * MB // 4 // 8       # 8 samples of 384 KiB: batches of 3 MiB
@@ -94,7 +94,9 @@ def test_no_workers_sizes_itself(small_memory, nothing_left_behind):
 
 
 def test_growing_batches_grow_the_arena(small_memory, nothing_left_behind):
-    small, large = MB // 4 // 8, 4 * MB // 4 // 8
+    # Batches of 32 KiB, then of 4 MiB: more than the whole first segment
+    # (10 small blocks, rounded up to 2 MiB), so they need a second.
+    small, large = 1024, 4 * MB // 4 // 8
 
     class Growing(Dataset):
         def __len__(self):
@@ -103,7 +105,9 @@ def test_growing_batches_grow_the_arena(small_memory, nothing_left_behind):
         def __getitem__(self, i):
             return {"x": expected(i, small if i < 24 else large), "i": i}
 
-    dl = DataLoader(Growing(), batch_size=8, num_workers=2)
+    # One worker: its small batches ask first, then its large ones (two
+    # workers may ask for the large one before the small one is served).
+    dl = DataLoader(Growing(), batch_size=8, num_workers=1)
     loader = fastpin.Loader(dl, device=None, zero_copy=True)
     seen = []
     for b in loader:
@@ -165,3 +169,29 @@ def test_pool_goes_with_its_loader(small_memory, nothing_left_behind):
     gc.collect()
     thread.join(10)
     assert not thread.is_alive()
+
+
+@gpu
+@pytest.mark.parametrize("device", ["cuda", None])
+def test_self_sized_arena_on_the_gpu(device, small_memory, nothing_left_behind):
+    # Segments are registered by the pool's thread; batches arrive exact, on
+    # the GPU (device mode) or pinned in the arena (host mode), none by copy.
+    numel = 3 * MB // 4 // 8
+    dl = DataLoader(Samples(40, numel), batch_size=8, num_workers=2)
+    for _ in range(2):                       # a new Loader every epoch
+        loader = fastpin.Loader(dl, device=device, zero_copy=True)
+        seen = []
+        for b in loader:
+            if device is None:
+                assert b["x"].is_pinned()
+            else:
+                assert b["x"].is_cuda
+            for x, i in zip(b["x"], b["i"].tolist()):
+                assert_same(x.cpu(), expected(i, numel))
+                seen.append(i)
+        assert sorted(seen) == list(range(40))
+        stats = loader.stats()
+        assert stats["fallbacks"] == 0 and 0 < stats["pool_capacity"] <= small_memory
+        assert loader.arena.registered
+        del loader, b, x
+    del dl
