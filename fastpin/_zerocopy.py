@@ -471,9 +471,11 @@ def _memory_bytes() -> int:
 def default_cap(registered: bool) -> int:
     """The most a self-sizing shared arena grows to, bytes: FASTPIN_ZERO_COPY_MAX_BYTES,
     else a quarter of the memory this process may use and, when the arena is
-    page-locked and RLIMIT_MEMLOCK is finite, half of that limit (but no less
-    than 1 GiB, which fastpin's default arena page-locks anyway: the CUDA driver
-    pins registered memory itself, and on most systems the limit does not bind)."""
+    page-locked, half of RLIMIT_MEMLOCK where that limit was set for it: finite
+    and at least 2 GiB. The small defaults (64 KiB, 8 MiB) are ignored: the CUDA
+    driver pins registered memory itself and does not charge it there (fastpin's
+    1 GiB default arena is page-locked under them); should a registration be
+    refused all the same, the arena stops growing and batches fall back."""
     value = os.environ.get("FASTPIN_ZERO_COPY_MAX_BYTES", "")
     if value:
         try:
@@ -487,8 +489,8 @@ def default_cap(registered: bool) -> int:
             import resource
 
             soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-            if soft != resource.RLIM_INFINITY:
-                cap = min(cap, max(soft // 2, _GiB))
+            if soft != resource.RLIM_INFINITY and soft // 2 >= _GiB:
+                cap = min(cap, soft // 2)
         except (ImportError, OSError, ValueError):
             pass
     return cap

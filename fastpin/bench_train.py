@@ -250,11 +250,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     why = why_not()
     if why is not None:
-        print(why)
+        sys.stdout.write(why + "\n")
         return 0
     result = train_table(workers=args.workers or (8, 15), steps=args.steps, warmup=args.warmup,
                          paths=args.path or PATHS)
-    print(format_train_table(result))
+    sys.stdout.write(format_train_table(result) + "\n")
     return 0
 
 

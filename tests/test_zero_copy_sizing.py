@@ -152,6 +152,14 @@ def test_default_cap_follows_memory_and_the_environment(monkeypatch):
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert 0 < _zerocopy.default_cap(False) <= memory // 4
     assert _zerocopy.default_cap(True) <= memory // 4
+    import resource
+
+    quarter = _zerocopy._memory_bytes() // 4
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (8 * MB, 8 * MB))
+    assert _zerocopy.default_cap(True) == quarter      # a default limit: not for CUDA
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (4 << 30, 4 << 30))
+    assert _zerocopy.default_cap(True) == min(quarter, 2 << 30)
+    assert _zerocopy.default_cap(False) == quarter     # nothing page-locked: no limit
     monkeypatch.setenv("FASTPIN_ZERO_COPY_MAX_BYTES", str(5 * MB))
     assert _zerocopy.default_cap(True) == 5 * MB
     monkeypatch.setenv("FASTPIN_ZERO_COPY_MAX_BYTES", "lots")
