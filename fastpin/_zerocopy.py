@@ -280,6 +280,13 @@ def _set_word(view, at: int, value: int) -> None:
     struct.pack_into("<Q", view, at, value)
 
 
+def _open_segment(creator: int, fd: int) -> int:
+    """A segment made after this worker started: opened through the creator's
+    descriptor table (the same file, so the same memory). Raises OSError where
+    that is not permitted (another user, a hardened /proc)."""
+    return os.open(f"/proc/{creator}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+
+
 class _Directory:
     """A worker's view of a pool's directory: the segments it has attached,
     newest first, and the way to ask for more."""
@@ -299,10 +306,8 @@ class _Directory:
             if own is None and token in self.carried:
                 own = _attach(self.carried[token], token)
             if own is None:
-                # Made after this worker started: open it through the creator's
-                # descriptor table (the same file, so the same memory).
                 try:
-                    local = os.open(f"/proc/{self.creator}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+                    local = _open_segment(self.creator, fd)
                 except OSError:
                     return  # not reachable from here: batches that need it fall back
                 try:

@@ -203,3 +203,25 @@ def test_self_sized_arena_on_the_gpu(device, small_memory, nothing_left_behind):
         assert loader.arena.registered
         del loader, b, x
     del dl
+
+
+def _refused(creator, fd):
+    raise PermissionError(13, "Permission denied")
+
+
+def test_segments_the_workers_cannot_open_fall_back_until_the_next_epoch(
+        monkeypatch, small_memory, nothing_left_behind):
+    # Forked workers inherit the patch: /proc/<pid>/fd refused, as under a
+    # hardened /proc. The first epoch falls back (never waits long), the next
+    # epoch's workers carry the segment from the start.
+    monkeypatch.setattr(_zerocopy, "_open_segment", _refused)
+    numel = MB // 4 // 4
+    dl = DataLoader(Samples(24, numel), batch_size=4, num_workers=2,
+                    multiprocessing_context="fork")
+    loader = fastpin.Loader(dl, device=None, zero_copy=True)
+    check(loader, 24, numel)
+    first = loader.stats()["fallbacks"]
+    assert first == 6 and loader.stats()["pool_capacity"] > 0
+    check(loader, 24, numel)
+    assert loader.stats()["fallbacks"] == first
+    del loader, dl
