@@ -410,24 +410,24 @@ class _WorkerCollate:
             tree = collate(samples, collate_fn_map=_placeholder_map)
         else:
             tree = self.collate_fn(samples)
-        sources, keep, shipped, nbytes = _plan(tree)
         arenas, directory = self._arenas()
         asked = False
         while True:
             for arena in arenas:
                 try:
-                    block, _ = arena.pin(sources, 1)
+                    block, shipped = _pack(tree, arena)
                 except _C.ArenaFullError:
                     continue
                 return _Shipped(arena.token, block.index, block.nbytes, shipped, block)
-            need = _C.block_size(max(nbytes, 1))
-            if directory is None or asked or not directory.may_grow(need):
+            if directory is None or asked:
+                break
+            need = _C.block_size(max(_plan(tree)[3], 1))
+            if not directory.may_grow(need):
                 break
             asked = True
             if not directory.ask(need):
                 break
             arenas = directory.arenas
-        del keep
         if arenas:
             arenas[0].count_fallback()
         elif directory is not None:
