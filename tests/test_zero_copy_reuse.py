@@ -208,3 +208,26 @@ def test_stateful_dataloader_state_goes_through_the_loader(workers, nothing_left
     seen = [i for b in first + rest for i in b["i"].tolist()]
     assert seen[:8] == list(range(8)) and seen[8:] == list(range(done * BATCH, N))
     del loader, resumed, it, first, rest
+
+
+@pytest.mark.parametrize("sized", ["capacity", "self-sizing"])
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_the_issue_pattern_a_loader_made_in_the_for_statement(method, persistent, sized,
+                                                              nothing_left_behind):
+    # for epoch in range(2): for b in fastpin.Loader(dl, ...): nothing but the
+    # epoch's iterator holds the Loader's arena.
+    dl = dataloader(method, persistent)
+    kw = {"capacity": 2 * MB} if sized == "capacity" else {"capacity": None}
+    for _ in range(2):
+        seen = []
+        for b in fastpin.Loader(dl, device=None, zero_copy=True, **kw):
+            gc.collect()
+            assert type(b) is dict
+            for x, i in zip(b["x"], b["i"].tolist()):
+                assert_same(x, expected(i))
+                seen.append(i)
+        assert sorted(seen) == list(range(N))
+        del b, x
+    check(dl)
+    del dl
