@@ -21,7 +21,6 @@ import logging
 import queue
 import threading
 import time
-import warnings
 import weakref
 from typing import Any, Iterable, Optional
 
@@ -72,16 +71,22 @@ class _Stats:
         self.wait_seconds = 0.0   # consumer time spent waiting for a batch
         self.fallbacks = 0
 
-    def as_dict(self, arena) -> dict:
-        s = arena.stats()
+    def as_dict(self, s: Any) -> dict:
+        # s: the arena's stats. None: no arena made yet (nothing pinned, or a
+        # "cpu" Loader), and reading stats makes none.
+        if s is None:
+            s = {"high_water": 0, "capacity": 0, "numa_node": -1}
         with self.lock:
             d = {
                 "batches": self.batches,
                 "bytes": self.bytes,
                 "host_to_pinned_gbps": self.bytes / self.copy_seconds / 1e9 if self.copy_seconds else 0.0,
                 "consumer_wait_s": self.wait_seconds,
-                # Batches the main process pinned by copy: workers that found
-                # the shared arena full (zero-copy mode).
+                # Batches that found their arena full and went the ordinary
+                # way, in every mode: host mode pinned by torch, device mode
+                # copied from pageable memory, zero-copy a worker that found
+                # the shared arena full (in device mode such a batch that
+                # then finds the staging arena full too counts twice).
                 "fallbacks": self.fallbacks,
                 "worker_fallbacks": s.get("fallbacks", 0),
             }
@@ -109,9 +114,26 @@ class Loader:
         pinned, in the consumer's own thread when next() asks for it, as the plain
         loop would (safe with sources that reuse their buffers).
     zero_copy: the DataLoader's workers collate straight into a shared, page-locked
-        arena of `capacity` bytes (default: fastpin.configure's), so the main process
-        copies nothing. Sets the DataLoader's collate_fn; needs a DataLoader whose
-        workers have not started yet.
+        arena, so the main process copies nothing. With no `capacity` (or `arena`)
+        given, the arena sizes itself: it takes no memory until the first batch,
+        then grows (by adding registered segments, made in this process, that the
+        workers open) to what the workers have in flight for the batches they
+        make, capacity_for(): (num_workers x prefetch_factor + depth + 6) blocks
+        of the largest batch, never past `max_capacity` (default
+        fastpin._zerocopy.default_cap(): FASTPIN_ZERO_COPY_MAX_BYTES, else a
+        quarter of the memory and, where it applies, half of RLIMIT_MEMLOCK).
+        `capacity`: one arena of exactly that many bytes, made up front. Either
+        way a worker that finds no room falls back to the ordinary path (the
+        batch is pinned by copy here, and counted): slower, never stuck.
+        The DataLoader itself is left as it was: the Loader iterates a shallow
+        copy of it (same dataset, sampler, generator and settings as when
+        wrapped) whose workers run fastpin's collate_fn, with workers of its own,
+        so plain iteration of the DataLoader and other Loaders over it are
+        unaffected; take a StatefulDataLoader's state through the Loader's
+        state_dict(). With persistent_workers=True the Loader's workers (and the
+        arena they write into: their collate_fn is fixed when they start) persist
+        across its epochs and end with the Loader; a new Loader over the same
+        DataLoader starts workers of its own.
 
     Leaving an epoch (break, an exception, Ctrl-C, a new iter(), interpreter exit)
     never waits on the source: a DataLoader's workers are shut down when the epoch
@@ -122,7 +144,7 @@ class Loader:
 
     def __init__(self, loader: Iterable, device: Any = "cuda", depth: int = 2, *,
                  arena: Optional[_C.Arena] = None, zero_copy: bool = False,
-                 capacity: Optional[int] = None):
+                 capacity: Optional[int] = None, max_capacity: Optional[int] = None):
         torch = _torch.require("fastpin.Loader")
 
         depth = _check_int("fastpin.Loader: depth", depth, 0, None, "0 (no prefetch) or more batches")
@@ -143,6 +165,7 @@ class Loader:
             raise TypeError("fastpin.Loader: device must be None, 'cpu', 'cuda', 'cuda:N', an int "
                             f"or a torch.device, not {device!r}")
         self.loader = loader
+        self._source: Any = loader  # what an epoch iterates (zero-copy: a view of loader)
         self.depth = depth
         self._arena = arena
         self._stats = _Stats()
@@ -171,8 +194,9 @@ class Loader:
         _graphs.watch()  # the blocks this Loader hands out are fenced on free
         self._active: Optional[weakref.ref] = None
         self._producer: Optional[weakref.ref] = None
+        self._pool: Any = None  # zero-copy: the shared arena's segments (_zerocopy.Pool)
         if zero_copy:
-            self._setup_zero_copy(arena, capacity)
+            self._setup_zero_copy(arena, capacity, max_capacity)
 
     def _check_arena(self, arena: _C.Arena) -> None:
         """An arena registered in another GPU's context would record its frees there:
@@ -183,31 +207,36 @@ class Loader:
                              f"registered with cuda:{owner}; make it with "
                              f"_C.Arena(..., device={self._index})")
 
-    def _setup_zero_copy(self, arena: Optional[_C.Arena], capacity: Optional[int]) -> None:
-        """Make the shared arena (registered with CUDA here, before any worker
-        starts) and hand the DataLoader's workers a collate_fn that writes into it."""
+    def _setup_zero_copy(self, arena: Optional[_C.Arena], capacity: Optional[int],
+                         max_capacity: Optional[int]) -> None:
+        """Make the shared arena's pool (its segments registered with CUDA here,
+        never in a worker) and the view of the DataLoader whose workers write
+        into it."""
         from torch.utils.data import DataLoader
 
         from . import _zerocopy
-        from ._arena import get_capacity
+        from ._arena import make_arena
 
         if not isinstance(self.loader, DataLoader):
             raise TypeError("fastpin.Loader(zero_copy=True) needs a torch.utils.data.DataLoader, "
                             f"not {type(self.loader).__name__}")
-        if getattr(self.loader, "_iterator", None) is not None:
-            warnings.warn("fastpin.Loader(zero_copy=True): the DataLoader's persistent workers "
-                          "already run with their own collate_fn; batches will be pinned by copy",
-                          RuntimeWarning, stacklevel=3)
-            return
-        if arena is None:
-            arena = _C.Arena(capacity or get_capacity(), shared=True, device=max(self._index, 0),
-                             cuda=self._index >= 0, numa_node=self._placement.node)
-        elif arena.fd < 0:
+        if arena is not None and arena.fd < 0:
             raise ValueError("fastpin.Loader(zero_copy=True) needs a shared arena "
                              "(_C.Arena(..., shared=True))")
-        _zerocopy.register(arena)
-        self._arena = arena
-        self.loader.collate_fn = _zerocopy.wrap_collate(self.loader.collate_fn, arena)
+        if max_capacity is not None and max_capacity <= 0:
+            raise ValueError(f"max_capacity must be positive, not {max_capacity}")
+        index, node = self._index, self._placement.node
+
+        def make(nbytes: int) -> _C.Arena:
+            return make_arena(nbytes, shared=True, device=max(index, 0), cuda=index >= 0,
+                              numa_node=node)
+
+        self._pool = _zerocopy.Pool(
+            make, loader=self.loader, depth=self.depth, arena=arena, capacity=capacity,
+            cap=max_capacity or _zerocopy.default_cap(index >= 0))
+        self._arena = self._pool.newest()  # None while a self-sizing pool is empty
+        self._source = _zerocopy.dataloader_view(
+            self.loader, _zerocopy.wrap_collate(self.loader.collate_fn, self._pool))
         self.zero_copy = True
 
     def __len__(self) -> int:
@@ -232,12 +261,12 @@ class Loader:
         of them: take the state between epochs to resume exactly."""
         if not hasattr(self.loader, "state_dict"):
             raise AttributeError(f"{type(self.loader).__name__} has no state_dict()")
-        return self.loader.state_dict()
+        return self._source.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         if not hasattr(self.loader, "load_state_dict"):
             raise AttributeError(f"{type(self.loader).__name__} has no load_state_dict()")
-        self.loader.load_state_dict(state)
+        self._source.load_state_dict(state)
 
     def __getattr__(self, name):
         # dataset, batch_size, sampler, ... of the wrapped DataLoader, as
@@ -247,17 +276,28 @@ class Loader:
         return getattr(self.loader, name)
 
     @property
-    def arena(self) -> _C.Arena:
+    def arena(self) -> Optional[_C.Arena]:
         """The arena batches are staged or pinned in: the Loader's own, else the
-        default arena of its GPU."""
+        default arena of its GPU. Zero-copy: the shared arena's newest segment
+        (None while a self-sizing one has seen no batch)."""
+        if self._pool is not None:
+            return self._pool.newest()  # None until a self-sizing pool's first batch
         if self._arena is not None:
             return self._arena
         return default_arena(self._index if self._index >= 0 else None)
 
     def stats(self) -> dict:
         """batches, bytes, host_to_pinned_gbps (producer side), consumer_wait_s (time
-        next() waited for a batch), fallbacks, pool_high_water, pool_capacity."""
-        return self._stats.as_dict(self.arena)
+        next() waited for a batch), fallbacks, pool_high_water, pool_capacity (0
+        while no arena is made: reading stats makes and page-locks nothing)."""
+        from ._arena import made_default_arena
+
+        if self._pool is not None:
+            return self._stats.as_dict(self._pool.stats())
+        arena = self._arena
+        if arena is None and not (self.device is not None and self.device.type == "cpu"):
+            arena = made_default_arena(self._index if self._index >= 0 else None)
+        return self._stats.as_dict(arena.stats() if arena is not None else None)
 
 
 class _Producer:
@@ -281,6 +321,7 @@ class _Producer:
         self.index = owner._index
         self.copy_arena = None if owner.zero_copy else self.arena
         self.zero_copy = owner.zero_copy
+        self.pool = owner._pool
         self.loader = owner.loader  # the DataLoader (not its iterator): for sizing advice
         self.depth = owner.depth
         self.placement = owner._placement
@@ -299,15 +340,16 @@ class _Producer:
         # long as the source likes (a slow dataset, a worker that hangs), so a
         # closing epoch does not wait for it (see shutdown).
         self.in_source = False
-        if previous is not None and (previous.source is owner.loader or previous.source is
-                                     getattr(owner.loader, "_iterator", None)):
+        source = owner._source  # zero-copy: the Loader's view of the DataLoader
+        if previous is not None and (previous.source is source or previous.source is
+                                     getattr(source, "_iterator", None)):
             # The source is the previous epoch's own iterator (an iterator given
             # as the loader, a DataLoader's persistent workers): one thread at a
             # time may be inside it. The plain DataLoader waits here as well (its
             # _reset waits for every worker to resume).
             previous.wait()
             previous = None
-        self.source = iter(owner.loader)
+        self.source = iter(source)
         # Another iterator over the same dataset, run in this process by a
         # previous epoch's thread that is still inside it (0 workers, a plain
         # iterable): this thread waits for it to leave before reading the source,
@@ -370,7 +412,7 @@ class _Producer:
             if self.zero_copy and not _exiting:
                 # Workers that died before their batches arrived (killed, or
                 # shut down with results still queued) leave blocks behind.
-                self.arena.reclaim()
+                self.pool.reclaim()
 
     def put(self, item) -> None:
         """Queue `item` for the consumer; once the epoch is stopped, drop it."""
@@ -393,7 +435,7 @@ class _Producer:
         if self.zero_copy:
             from . import _zerocopy
 
-            self.arena.collect()  # only this process can see the GPU finish with blocks
+            self.pool.collect()  # only this process can see the GPU finish with blocks
             batch = _zerocopy.adopted(batch)
             if isinstance(batch, _zerocopy._Adopted) and self.copy_stream is not None:
                 out = self.block_to_device(batch)
@@ -413,13 +455,29 @@ class _Producer:
                 self.count(batch)
                 return batch
         if self.device is None:
-            out = pin_memory(batch, arena=self.staging(), stream=self.consumer_stream)
+            out = self.pin(batch, counted=self.zero_copy)
             self.count(out)
             return out
         if self.device.type == "cpu":
             self.count(batch)
             return batch
         return self.to_device(batch)
+
+    def pin(self, batch, counted: bool):
+        """pin_memory into the staging arena. A batch it pins the ordinary way
+        (the arena full, or the batch over its cap) is a fallback, counted
+        here unless `counted` (zero-copy: its worker's fallback was)."""
+        from ._arena import policy
+
+        arena = self.staging()
+        if counted or policy()["on_full"] != "fallback":
+            return pin_memory(batch, arena=arena, stream=self.consumer_stream)
+        try:
+            return pin_memory(batch, arena=arena, stream=self.consumer_stream, on_full="raise")
+        except _C.ArenaFullError:
+            with self.stats.lock:
+                self.stats.fallbacks += 1
+            return pin_memory(batch, arena=arena, stream=self.consumer_stream, on_full="fallback")
 
     def staging(self) -> _C.Arena:
         """The arena batches are pinned or staged in by copy (made on first use)."""
@@ -434,13 +492,22 @@ class _Producer:
         nbytes = batch_nbytes(batch)
         ahead = _zerocopy.batches_ahead(self.loader)
         need = _zerocopy.capacity_for(self.loader, nbytes, self.depth)
+        pool = self.pool
+        if pool.fixed:
+            advice = f"for this DataLoader give it capacity={need} ({need / 1e6:.0f} MB) or more."
+        elif pool.capacity < need:
+            advice = (f"it sizes itself, up to max_capacity={pool.cap} bytes (or "
+                      f"FASTPIN_ZERO_COPY_MAX_BYTES); for this DataLoader raise that to {need} "
+                      f"({need / 1e6:.0f} MB) or more.")
+        else:
+            advice = ("it sized itself for these batches: the batches you keep alive hold the "
+                      f"rest; keep fewer, or give capacity={need + pool.capacity} or more.")
         log.warning(
             "fastpin.Loader(zero_copy=True): a DataLoader worker found the shared arena full "
             "(%.0f MB) and collated a batch of %.1f MB the ordinary way; such batches are "
             "pinned by copy in the main process, which is slower. The arena holds the "
             "workers' batches in flight (num_workers x prefetch_factor = %d), the Loader's "
-            "depth and the batches you keep: for this DataLoader give it capacity=%d "
-            "(%.0f MB) or more.", self.arena.capacity / 1e6, nbytes / 1e6, ahead, need, need / 1e6)
+            "depth and the batches you keep: %s", pool.capacity / 1e6, nbytes / 1e6, ahead, advice)
 
     def count(self, batch) -> None:
         nbytes = batch_nbytes(batch)
@@ -502,7 +569,8 @@ class _Producer:
         torch = self.torch
         try:
             # Pinned sources alone need no staging: no arena to make for them.
-            staging = self.arena if all(c[3] for c in copies) else self.staging()
+            pinned = self.arena if not self.zero_copy else self.pool.newest()
+            staging = pinned if pinned is not None and all(c[3] for c in copies) else self.staging()
             _C.h2d(staging, self.copy_stream.cuda_stream, copies)
         except _C.ArenaFullError:
             # Live pinned batches fill the arena: copy from pageable memory,

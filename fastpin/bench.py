@@ -9,6 +9,8 @@ Cases (--case, repeatable; default: all of them):
                 stock .to(), the timm/Apex prefetcher, fastpin.Loader (GPU only)
   loader_images DataLoader delivered GB/s, uint8 and float32 images, batch 256:
                 pin_memory=True, fastpin.Loader, fastpin.Loader(zero_copy=True)
+  train_model   training resnet18 (torchvision's or timm's) on in-memory images,
+                every path beside the batch already on the GPU (fastpin.bench_train)
   images_u8     uint8 images 3x224x224, batch 256 (36.8 MiB)
   images_f32    float32 images 3x224x224, batch 256 (147 MiB)
   tokens        int64 token sequences of 2k-8k tokens, batch 8, padded per batch
@@ -1270,7 +1272,7 @@ CASES: dict = {w.name: w for w in [
     Workload("video", "float32 video clips 3x32x224x224, batch 16", 16, 16 * (_CLIP + 8), 8 * _CLIP,
              lambda: _clips(8), (40, 8, 2)),
 ]}
-MICRO = ("pin_sizes", "train_step", "loader_images")
+MICRO = ("pin_sizes", "train_step", "loader_images", "train_model")
 CASE_NAMES = MICRO + tuple(CASES)
 
 
@@ -1476,6 +1478,8 @@ _SECTION = {
     "pin_sizes": ("pin_memory", "pin_memory of one batch", format_pin_table),
     "train_step": ("step", "Training step: compute overlapped with transfer", format_step_table),
     "loader_images": ("loader", "DataLoader: delivered throughput", format_loader_table),
+    "train_model": ("train", "Training resnet18: images/s against the batch already on the GPU",
+                    lambda r: __import__("fastpin.bench_train").bench_train.format_train_table(r)),
 }
 
 
@@ -1689,6 +1693,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             total += 2 if gpu else 0
         elif name == "loader_images":
             total += 3 * 2 * len(lt_workers)
+        elif name == "train_model":
+            pass  # fastpin.bench_train reports no progress steps
         else:
             runnable = [p for p in paths if _why_not(p, target, host_reason) is None]
             total += len(workers) * len(runnable) * (1 + warmup + case_batches(CASES[name]))
@@ -1714,6 +1720,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     why = _micro_room(name, sizes, lt_workers)
                     if name == "train_step" and not gpu:
                         why = f"skipped: needs a GPU ({_gpu()[1]})"
+                    if name == "train_model":
+                        from . import bench_train
+                        why = bench_train.why_not() or why
                     if why is not None:
                         suite["not_run_cases"][name] = why
                     elif name == "pin_sizes":
@@ -1721,6 +1730,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     elif name == "train_step":
                         suite[key] = (step_table(batch_mb=64, steps=10) if quick
                                       else step_table())
+                    elif name == "train_model":
+                        suite[key] = bench_train.train_table(
+                            workers=args.workers or sorted({min(8, max(1, cpus - 1)),
+                                                            min(15, max(1, cpus - 1))}),
+                            steps=5 if quick else 50, warmup=2 if quick else 5)
                     else:
                         suite[key] = loader_table(workers=lt_workers, batches=lt_batches,
                                                   max_seconds=args.max_seconds)

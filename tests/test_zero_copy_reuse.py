@@ -1,0 +1,233 @@
+"""Zero-copy mode leaves the DataLoader as it was found: a DataLoader wrapped by
+Loader(zero_copy=True) can be wrapped again every epoch, iterated plainly, and
+wrapped by several Loaders, with fork, spawn and forkserver workers, persistent
+or not; nothing (file descriptors, arenas) is left behind. CPU only: the shared
+arena works without a GPU."""
+import gc
+import os
+import time
+from multiprocessing import forkserver, resource_tracker
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import fastpin
+from fastpin import _zerocopy
+
+from conftest import assert_same, patterned
+
+MB = 1 << 20
+N, BATCH = 26, 4                    # an uneven last batch
+NBATCHES = -(-N // BATCH)
+METHODS = ["fork", "spawn", "forkserver"]
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def expected(i):
+    return patterned((3, 5), torch.float32, seed=i)
+
+
+class Samples(Dataset):
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return {"x": expected(i), "i": i}
+
+
+def dataloader(method, persistent, workers=2):
+    return DataLoader(Samples(), batch_size=BATCH, num_workers=workers,
+                      multiprocessing_context=method if workers else None,
+                      persistent_workers=persistent and workers > 0)
+
+
+def check(batches, n=N):
+    """Every sample once, exact, in ordinary tensors."""
+    seen = []
+    for b in batches:
+        assert type(b) is dict and isinstance(b["x"], torch.Tensor), type(b)
+        assert isinstance(b["i"], torch.Tensor)
+        for x, i in zip(b["x"], b["i"].tolist()):
+            assert_same(x, expected(i))
+            seen.append(i)
+    assert sorted(seen) == list(range(n))
+
+
+def zero_copy(dl, **kw):
+    kw.setdefault("capacity", 2 * MB)
+    return fastpin.Loader(dl, device=None, zero_copy=True, **kw)
+
+
+def fds():
+    return set(os.listdir("/proc/self/fd"))
+
+
+def live_arenas():
+    return {t for t, a in list(_zerocopy._arenas.items())}
+
+
+@pytest.fixture
+def nothing_left_behind():
+    """After the test (its Loaders, DataLoaders and batches gone), no file
+    descriptor or zero-copy arena of its making is left in this process."""
+    # The helpers multiprocessing starts once per process and keeps (their
+    # pipes are not the test's).
+    resource_tracker.ensure_running()
+    forkserver.ensure_running()
+    gc.collect()
+    before_fds, before_arenas = fds(), live_arenas()
+    yield
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        gc.collect()
+        left = fds() - before_fds, live_arenas() - before_arenas
+        if not any(left):
+            return
+        time.sleep(0.1)
+    details = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in left[0]
+               if os.path.exists(f"/proc/self/fd/{fd}")}
+    pytest.fail(f"left behind: fds {details}, arenas {left[1]}")
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("method", METHODS)
+def test_new_loader_every_epoch(method, persistent, nothing_left_behind):
+    dl = dataloader(method, persistent)
+    collate = dl.collate_fn
+    for _ in range(2):
+        check(zero_copy(dl))
+        assert dl.collate_fn is collate
+    del dl
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_plain_iteration_after_a_loader(method, persistent, nothing_left_behind):
+    dl = dataloader(method, persistent)
+    loader = zero_copy(dl)
+    check(loader)
+    check(dl)          # ordinary batches, not fastpin's descriptors
+    check(loader)      # and the Loader still works after it
+    check(dl)
+    del dl, loader
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_wrap_again_after_the_first_loader_is_gone(method, persistent, nothing_left_behind):
+    dl = dataloader(method, persistent)
+    first = zero_copy(dl)
+    batches = list(first)
+    del first
+    gc.collect()
+    check(batches)     # batches outlive their Loader
+    check(zero_copy(dl))
+    check(batches)
+    del dl, batches
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_two_loaders_over_one_dataloader(method, persistent, nothing_left_behind):
+    dl = dataloader(method, persistent)
+    a, b = zero_copy(dl), zero_copy(dl)
+    for _ in range(2):
+        check(a)
+        check(b)
+    del dl, a, b
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_zip_of_two_loaders_over_one_dataloader(method, persistent, nothing_left_behind):
+    dl = dataloader(method, persistent)
+    a, b = zero_copy(dl), zero_copy(dl)
+    for _ in range(2):
+        pairs = list(zip(a, b))
+        assert len(pairs) == NBATCHES
+        check(p[0] for p in pairs)
+        check(p[1] for p in pairs)
+        del pairs
+    del dl, a, b
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_loader_then_plain_then_loader_interleaved_epochs(method, nothing_left_behind):
+    # Persistent workers started by a plain iteration first: the Loader must
+    # not reuse them (they run the DataLoader's own collate_fn).
+    dl = dataloader(method, persistent=True)
+    check(dl)
+    loader = zero_copy(dl)
+    check(loader)
+    assert loader.stats()["fallbacks"] == 0   # zero-copy, not pinned by copy
+    check(dl)
+    del dl, loader
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_attributes_are_untouched(workers, nothing_left_behind):
+    dl = dataloader("fork", persistent=False, workers=workers)
+    before = dict(vars(dl))
+    loader = zero_copy(dl)
+    it = iter(loader)
+    next(it)
+    assert vars(dl) == before
+    check(loader)
+    assert vars(dl) == before
+    del dl, loader, it
+
+
+def test_no_workers_every_epoch_a_new_loader(nothing_left_behind):
+    dl = dataloader(None, persistent=False, workers=0)
+    for _ in range(2):
+        check(zero_copy(dl))
+    check(dl)
+    del dl
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_state_goes_through_the_loader(workers, nothing_left_behind):
+    StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
+
+    def make():
+        return StatefulDataLoader(Samples(), batch_size=BATCH, num_workers=workers)
+
+    loader = zero_copy(make(), depth=1)
+    it = iter(loader)
+    first = [next(it) for _ in range(2)]
+    it.close()
+    state = loader.state_dict()
+    resumed = zero_copy(make())
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    done = NBATCHES - len(rest)
+    assert 2 <= done <= 4
+    seen = [i for b in first + rest for i in b["i"].tolist()]
+    assert seen[:8] == list(range(8)) and seen[8:] == list(range(done * BATCH, N))
+    del loader, resumed, it, first, rest
+
+
+@pytest.mark.parametrize("sized", ["capacity", "self-sizing"])
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_the_issue_pattern_a_loader_made_in_the_for_statement(method, persistent, sized,
+                                                              nothing_left_behind):
+    # for epoch in range(2): for b in fastpin.Loader(dl, ...): nothing but the
+    # epoch's iterator holds the Loader's arena.
+    dl = dataloader(method, persistent)
+    kw = {"capacity": 2 * MB} if sized == "capacity" else {"capacity": None}
+    for _ in range(2):
+        seen = []
+        for b in fastpin.Loader(dl, device=None, zero_copy=True, **kw):
+            gc.collect()
+            assert type(b) is dict
+            for x, i in zip(b["x"], b["i"].tolist()):
+                assert_same(x, expected(i))
+                seen.append(i)
+        assert sorted(seen) == list(range(N))
+        del b, x
+    check(dl)
+    del dl

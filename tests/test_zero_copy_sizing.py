@@ -1,0 +1,227 @@
+"""Zero-copy's shared arena sizes itself: no capacity given, it grows to what
+the DataLoader's workers have in flight for the batches they make, never past
+its cap, and a full arena still falls back. CPU only (the memory is shared,
+just not page-locked); the cap is lowered to keep the memory small."""
+import gc
+import logging
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import fastpin
+from fastpin import _C, _zerocopy
+
+from conftest import assert_same, gpu, patterned
+from test_zero_copy_reuse import nothing_left_behind  # noqa: F401 - a fixture
+
+MB = 1 << 20
+pytestmark = pytest.mark.timeout(180)
+
+
+def expected(i, numel):
+    return patterned((numel,), torch.float32, seed=i)
+
+
+class Samples(Dataset):
+    def __init__(self, n, numel):
+        self.n, self.numel = n, numel
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"x": expected(i, self.numel), "i": i}
+
+
+def check(batches, n, numel):
+    seen = []
+    for b in batches:
+        for x, i in zip(b["x"], b["i"].tolist()):
+            assert_same(x, expected(i, numel))
+            seen.append(i)
+    assert sorted(seen) == list(range(n))
+
+
+def batch_bytes(batch_size, numel):
+    return _C.block_size(batch_size * numel * 4 + batch_size * 8 + 2 * _C.GRANULE)
+
+
+@pytest.fixture
+def small_memory(monkeypatch):
+    """The default cap lowered to 64 MiB, and fastpin's default arena (what
+    zero-copy used to make) to 8 MiB: 2 workers x 2 prefetched would have
+    fitted batches of 2 MiB at most."""
+    monkeypatch.setenv("FASTPIN_ZERO_COPY_MAX_BYTES", str(64 * MB))
+    old = fastpin._arena.get_capacity()
+    fastpin.configure(capacity=8 * MB)
+    yield 64 * MB
+    fastpin.configure(capacity=old)
+
+
+@pytest.mark.parametrize("method,persistent", [("fork", False), ("fork", True), ("spawn", False),
+                                               ("spawn", True), ("forkserver", False)])
+def test_default_settings_fit_batches_the_old_default_did_not(method, persistent, small_memory,
+                                                              nothing_left_behind):
+    numel = 3 * MB // 4 // 8       # 8 samples of 384 KiB: batches of 3 MiB
+    dl = DataLoader(Samples(40, numel), batch_size=8, num_workers=2, prefetch_factor=2,
+                    multiprocessing_context=method, persistent_workers=persistent)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True)
+    assert loader.stats()["pool_capacity"] == 0     # nothing made before the first batch
+    for _ in range(2):
+        batches = list(loader)
+        check(batches, 40, numel)
+        assert all(_zerocopy._registry().get(loader.arena.token) is not None for _ in batches)
+        del batches
+    stats = loader.stats()
+    assert stats["fallbacks"] == 0 and stats["worker_fallbacks"] == 0
+    need = _zerocopy.capacity_for(dl, batch_bytes(8, numel), depth=2)
+    assert need <= stats["pool_capacity"] <= small_memory
+    assert stats["pool_capacity"] > 8 * MB
+    assert len(loader._pool.segments) == 1          # sized once, for the whole run
+    del loader, dl, stats
+
+
+def test_no_workers_sizes_itself(small_memory, nothing_left_behind):
+    numel = 2 * MB // 4 // 4
+    loader = fastpin.Loader(DataLoader(Samples(20, numel), batch_size=4), device=None,
+                            zero_copy=True)
+    check(loader, 20, numel)
+    stats = loader.stats()
+    assert stats["fallbacks"] == 0 and 0 < stats["pool_capacity"] <= small_memory
+    del loader, stats
+
+
+def test_growing_batches_grow_the_arena(small_memory, nothing_left_behind):
+    # Batches of 32 KiB, then of 4 MiB: more than the whole first segment
+    # (10 small blocks, rounded up to 2 MiB), so they need a second.
+    small, large = 1024, 4 * MB // 4 // 8
+
+    class Growing(Dataset):
+        def __len__(self):
+            return 48
+
+        def __getitem__(self, i):
+            return {"x": expected(i, small if i < 24 else large), "i": i}
+
+    # One worker: its small batches ask first, then its large ones (two
+    # workers may ask for the large one before the small one is served).
+    dl = DataLoader(Growing(), batch_size=8, num_workers=1)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True)
+    seen = []
+    for b in loader:
+        for x, i in zip(b["x"], b["i"].tolist()):
+            assert_same(x, expected(i, small if i < 24 else large))
+            seen.append(i)
+    assert sorted(seen) == list(range(48))
+    stats = loader.stats()
+    assert stats["fallbacks"] == 0
+    assert len(loader._pool.segments) == 2 and stats["pool_capacity"] <= small_memory
+    del loader, dl, stats
+
+
+def test_the_cap_is_never_exceeded_and_a_full_arena_falls_back(small_memory, caplog,
+                                                               nothing_left_behind):
+    numel = 3 * MB // 4 // 8
+    dl = DataLoader(Samples(48, numel), batch_size=8, num_workers=2, prefetch_factor=2)
+    cap = 4 * batch_bytes(8, numel)          # room for 4 of the 4 + 2 + 6 it wants
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, max_capacity=cap)
+    with caplog.at_level(logging.WARNING, logger="fastpin"):
+        batches = list(loader)               # kept: the arena fills, the rest fall back
+    check(batches, 48, numel)
+    stats = loader.stats()
+    assert 0 < stats["pool_capacity"] <= cap
+    assert stats["fallbacks"] > 0 and stats["fallbacks"] == stats["worker_fallbacks"]
+    assert any("max_capacity" in r.getMessage() for r in caplog.records)
+    del batches, loader, dl, stats
+
+
+def test_a_batch_over_the_cap_falls_back_at_once(small_memory, nothing_left_behind):
+    numel = 2 * MB // 4 // 4
+    dl = DataLoader(Samples(16, numel), batch_size=4, num_workers=2)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, max_capacity=MB)
+    check(loader, 16, numel)
+    stats = loader.stats()
+    assert stats["fallbacks"] == 4 and stats["pool_capacity"] == 0
+    del loader, dl, stats
+
+
+def test_default_cap_follows_memory_and_the_environment(monkeypatch):
+    monkeypatch.delenv("FASTPIN_ZERO_COPY_MAX_BYTES", raising=False)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < _zerocopy.default_cap(False) <= memory // 4
+    assert _zerocopy.default_cap(True) <= memory // 4
+    import resource
+
+    quarter = _zerocopy._memory_bytes() // 4
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (8 * MB, 8 * MB))
+    assert _zerocopy.default_cap(True) == quarter      # a default limit: not for CUDA
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (4 << 30, 4 << 30))
+    assert _zerocopy.default_cap(True) == min(quarter, 2 << 30)
+    assert _zerocopy.default_cap(False) == quarter     # nothing page-locked: no limit
+    monkeypatch.setenv("FASTPIN_ZERO_COPY_MAX_BYTES", str(5 * MB))
+    assert _zerocopy.default_cap(True) == 5 * MB
+    monkeypatch.setenv("FASTPIN_ZERO_COPY_MAX_BYTES", "lots")
+    with pytest.raises(ValueError, match="FASTPIN_ZERO_COPY_MAX_BYTES"):
+        _zerocopy.default_cap(False)
+
+
+def test_pool_goes_with_its_loader(small_memory, nothing_left_behind):
+    numel = MB // 4 // 4
+    loader = fastpin.Loader(DataLoader(Samples(8, numel), batch_size=4, num_workers=1),
+                            device=None, zero_copy=True)
+    check(loader, 8, numel)
+    thread = loader._pool.thread
+    del loader
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+@gpu
+@pytest.mark.parametrize("device", ["cuda", None])
+def test_self_sized_arena_on_the_gpu(device, small_memory, nothing_left_behind):
+    # Segments are registered by the pool's thread; batches arrive exact, on
+    # the GPU (device mode) or pinned in the arena (host mode), none by copy.
+    numel = 3 * MB // 4 // 8
+    dl = DataLoader(Samples(40, numel), batch_size=8, num_workers=2)
+    for _ in range(2):                       # a new Loader every epoch
+        loader = fastpin.Loader(dl, device=device, zero_copy=True)
+        seen = []
+        for b in loader:
+            if device is None:
+                assert b["x"].is_pinned()
+            else:
+                assert b["x"].is_cuda
+            for x, i in zip(b["x"], b["i"].tolist()):
+                assert_same(x.cpu(), expected(i, numel))
+                seen.append(i)
+        assert sorted(seen) == list(range(40))
+        stats = loader.stats()
+        assert stats["fallbacks"] == 0 and 0 < stats["pool_capacity"] <= small_memory
+        assert loader.arena.registered
+        del loader, b, x
+    del dl
+
+
+def _refused(creator, fd):
+    raise PermissionError(13, "Permission denied")
+
+
+def test_segments_the_workers_cannot_open_fall_back_until_the_next_epoch(
+        monkeypatch, small_memory, nothing_left_behind):
+    # Forked workers inherit the patch: /proc/<pid>/fd refused, as under a
+    # hardened /proc. The first epoch falls back (never waits long), the next
+    # epoch's workers carry the segment from the start.
+    monkeypatch.setattr(_zerocopy, "_open_segment", _refused)
+    numel = MB // 4 // 4
+    dl = DataLoader(Samples(24, numel), batch_size=4, num_workers=2,
+                    multiprocessing_context="fork")
+    loader = fastpin.Loader(dl, device=None, zero_copy=True)
+    check(loader, 24, numel)
+    first = loader.stats()["fallbacks"]
+    assert first == 6 and loader.stats()["pool_capacity"] > 0
+    check(loader, 24, numel)
+    assert loader.stats()["fallbacks"] == first
+    del loader, dl
