@@ -8,9 +8,9 @@ from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import collate as _collate
 from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
-from ._arena import default_arena
+from ._arena import default_arena, policy
 from ._dtypes import torch_carrier
-from ._pin import _contiguous_strides, _count
+from ._pin import _contiguous_strides, _count, _Fallback, _pin_with_policy
 
 _warned_worker = False
 
@@ -33,7 +33,11 @@ def _stack_into_arena(batch, *, collate_fn_map=None):
     nbytes = elem.numel() * elem.element_size()
     sources = [(t.data_ptr() if nbytes and t.is_contiguous() and not (t.is_conj() or t.is_neg())
                 else 0, nbytes) for t in batch]
-    block, _ = default_arena().pin(sources, 1)
+    try:
+        block, _ = _pin_with_policy(default_arena(), sources, policy()["on_full"], 1)
+    except _Fallback:
+        _count(fallbacks=1)
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     shape = (len(batch), *elem.shape)
     out = torch.from_dlpack(block.dlpack(0, shape, _contiguous_strides(shape), code, bits, lanes))
     if view_as is not None:

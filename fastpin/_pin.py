@@ -151,10 +151,11 @@ class _Fallback(Exception):
 _warned_too_big = False
 
 
-def _pin_with_policy(arena, sources, on_full: str):
-    """arena.pin(sources), or what the full-arena policy says instead."""
+def _pin_with_policy(arena, sources, on_full: str, align: int = _C.GRANULE):
+    """arena.pin(sources, align), or what the full-arena policy says instead
+    (raises _Fallback when that is the ordinary path)."""
     global _warned_too_big
-    total = sum((n + _C.GRANULE - 1) // _C.GRANULE * _C.GRANULE for _, n in sources)
+    total = sum((n + align - 1) // align * align for _, n in sources)
     if total > arena.capacity:
         message = (f"a batch of {total} bytes cannot be pinned in an arena of "
                    f"{arena.capacity} bytes: raise the cap with fastpin.configure(capacity=...) "
@@ -169,7 +170,7 @@ def _pin_with_policy(arena, sources, on_full: str):
     delay = 0.0005
     while True:
         try:
-            return arena.pin(sources)
+            return arena.pin(sources, align)
         except _C.ArenaFullError as e:
             if on_full == "fallback":
                 log.debug("fastpin: %s; pinning this batch the ordinary way", e)
