@@ -12,7 +12,7 @@ import numpy as np
 from . import _C, _graphs
 from ._arena import cuda_available, default_arena, policy
 from ._dtypes import torch_carrier
-from ._walk import map_leaves
+from ._walk import flatten, unflatten
 
 log = logging.getLogger("fastpin")
 
@@ -195,7 +195,7 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
                on_full: Optional[str] = None) -> Any:
     """Return `data` with every tensor and NumPy array leaf copied into page-locked
     memory, in one block of fastpin's arena, by its copy threads with the GIL
-    released. The structure comes back as it went in (see map_leaves); torch
+    released. The structure comes back as it went in (see _walk.map_leaves); torch
     tensors stay torch tensors and arrays stay arrays; tensors already pinned come
     back unchanged; objects with a pin_memory() method are asked to pin
     themselves. `device` ("cuda", "cuda:N", an int; DataLoader's pin thread passes
@@ -226,17 +226,15 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
         return (isinstance(x, (np.ndarray, tensor_type))
                 or (not isinstance(x, type) and hasattr(x, "pin_memory")))
 
+    spec, inputs = flatten(data, is_leaf)  # one walk: the rebuild uses this record
     leaves = []
-
-    def plan(x):
+    for x in inputs:
         if isinstance(x, tensor_type):
             leaves.append(_plan_tensor(x, torch))
         elif isinstance(x, np.ndarray):
             leaves.append(_plan_array(x))
         else:
             leaves.append(_Leaf(x, _CUSTOM))
-
-    map_leaves(data, is_leaf, plan)
     pinned = [leaf for leaf in leaves if leaf.how in (_COPY, _GATHER)]
     block, offsets = None, ()
     if pinned:
@@ -254,8 +252,7 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
             block.consumer_stream = getattr(stream, "cuda_stream", stream)
     results = iter(offsets)
 
-    def build(x):
-        leaf = next(leaves_iter)
+    def build(leaf: _Leaf):
         if leaf.how in (_COPY, _GATHER):
             offset = next(results)
             if isinstance(leaf.obj, np.ndarray):
@@ -269,7 +266,6 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
             return leaf.obj.pin_memory()
         return leaf.obj
 
-    leaves_iter = iter(leaves)
-    out = map_leaves(data, is_leaf, build)
+    out = unflatten(spec, [build(leaf) for leaf in leaves])
     _count(batches=1, leaves=len(pinned), nbytes=sum(leaf.nbytes for leaf in pinned))
     return out

@@ -575,3 +575,33 @@ def nest(depth, kind, x):
 def unwrap(x, kind):
     return {"list": lambda v: v[0], "dict": lambda v: v["k"], "tuple": lambda v: v[0],
             "dataclass": lambda v: v.item}[kind](x)
+
+
+# ---- one walk ---------------------------------------------------------------------
+
+class Shuffling(Mapping):
+    """A read-only Mapping that iterates its keys in another order each time."""
+
+    def __init__(self, data):
+        self.data = dict(data)
+        self.turn = 0
+
+    def __getitem__(self, key):
+        return self.data[key]
+
+    def __len__(self):
+        return len(self.data)
+
+    def __iter__(self):
+        keys = list(self.data)
+        self.turn += 1
+        k = self.turn % len(keys)
+        return iter(keys[k:] + keys[:k])
+
+
+def test_mapping_that_reorders_gets_other_keys_data(arena):
+    batch = Shuffling({f"k{i}": patterned((4 + i,), torch.int32, i) for i in range(4)})
+    out = fastpin.pin_memory(batch, arena=arena)
+    assert set(out) == set(batch.data)
+    for key, value in batch.data.items():
+        assert_same(out[key], value)
