@@ -50,39 +50,110 @@ _COPY, _GATHER, _KEEP, _TORCH, _CUSTOM = range(5)
 
 
 class _Leaf:
-    __slots__ = ("obj", "how", "nbytes", "source")
+    __slots__ = ("obj", "how", "nbytes", "source", "wrap", "grad", "input")
 
-    def __init__(self, obj, how, nbytes=0, source=0):
-        self.obj = obj          # the input leaf (a contiguous view of it for _COPY)
+    def __init__(self, obj, how, nbytes=0, source=0, wrap=None, grad=None, input=None):
+        self.obj = obj          # what is copied: the input, plain, detached, conj resolved
+        self.input = obj if input is None else input  # the input leaf (the ordinary path's)
         self.how = how          # one of _COPY, _GATHER, _KEEP, _TORCH, _CUSTOM
         self.nbytes = nbytes    # bytes it takes in the block
         self.source = source    # address memcpy reads from (_COPY only)
+        self.wrap = wrap        # the subclass the output is viewed as, or None
+        self.grad = grad        # the input the output's grad_fn leads to, or None
+
+
+# Array subclasses whose view of the block is all they are; any other (masked
+# arrays, memmaps, ...) is returned unchanged, as torch's pin_memory does.
+_ARRAY_VIEWS = (np.matrix, np.recarray)
+
+_subclass_rules: dict = {}
+
+
+def _subclass_rule(cls, torch):
+    """How a torch.Tensor subclass comes back from Tensor.pin_memory(): "plain"
+    (its __torch_function__ is disabled, as Parameter's: a plain tensor), "wrap"
+    (torch's default __torch_function__ converts results to the subclass), or
+    None (its own __torch_function__ or __torch_dispatch__: torch's path)."""
+    rule = _subclass_rules.get(cls, False)
+    if rule is False:
+        function = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+        dispatch = getattr(cls, "__torch_dispatch__", None)
+        dispatch = getattr(dispatch, "__func__", dispatch)
+        if dispatch is not getattr(torch.Tensor, "__torch_dispatch__", None):
+            rule = None
+        elif function is torch._C._disabled_torch_function_impl:
+            rule = "plain"
+        elif function is torch.Tensor.__torch_function__.__func__:
+            rule = "wrap"
+        else:
+            rule = None
+        _subclass_rules[cls] = rule
+    return rule
+
+
+_grad_function = None
+
+
+def _attach_grad(src, out):
+    """`out` (the pinned copy of `src`) as torch's pin_memory gives it back
+    for an input that requires grad: a non-leaf whose gradient flows to src."""
+    global _grad_function
+    if _grad_function is None:
+        import torch
+
+        class PinMemory(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, src, holder):
+                return holder[0]
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad, None
+
+        _grad_function = PinMemory
+    return _grad_function.apply(src, [out])
 
 
 def _plan_tensor(t, torch) -> _Leaf:
+    given = t
     if t.device.type != "cpu":
         raise ValueError(
             f"fastpin.pin_memory: a tensor on {t.device} cannot be pinned; "
             "only CPU tensors can (as with torch.Tensor.pin_memory)")
+    wrap = None
+    if type(t) is not torch.Tensor:
+        rule = _subclass_rule(type(t), torch)
+        if rule is None:
+            return _Leaf(t, _TORCH)
+        wrap = type(t) if rule == "wrap" else None
+        t = t.as_subclass(torch.Tensor)
     if (t.layout != torch.strided or t.is_quantized or t.is_nested
             or torch_carrier(t.dtype) is None):
-        return _Leaf(t, _TORCH)
+        return _Leaf(given, _TORCH)
     if cuda_available() and t.is_pinned():
-        return _Leaf(t, _KEEP)
+        return _Leaf(given, _KEEP)
+    grad = t if t.requires_grad and torch.is_grad_enabled() else None
+    if t.requires_grad:
+        t = t.detach()
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     nbytes = t.numel() * t.element_size()
     if t.is_contiguous() or _is_dense(t.shape, t.stride()):
-        return _Leaf(t, _COPY, nbytes, t.data_ptr() if nbytes else 0)
-    return _Leaf(t, _GATHER, nbytes)
+        return _Leaf(t, _COPY, nbytes, t.data_ptr() if nbytes else 0, wrap, grad, given)
+    return _Leaf(t, _GATHER, nbytes, 0, wrap, grad, given)
 
 
 def _plan_array(a: np.ndarray) -> _Leaf:
+    wrap = None
+    if type(a) is not np.ndarray:
+        if type(a) not in _ARRAY_VIEWS:
+            return _Leaf(a, _KEEP)
+        wrap = type(a)
     if a.dtype.hasobject:
         return _Leaf(a, _KEEP)  # references, not data: nothing to pin
     if a.flags.c_contiguous:
-        return _Leaf(a, _COPY, a.nbytes, a.ctypes.data if a.nbytes else 0)
-    return _Leaf(a, _GATHER, a.nbytes)
+        return _Leaf(a, _COPY, a.nbytes, a.ctypes.data if a.nbytes else 0, wrap)
+    return _Leaf(a, _GATHER, a.nbytes, 0, wrap)
 
 
 def _contiguous_strides(shape) -> tuple:
@@ -107,9 +178,9 @@ def _tensor_out(block, offset, leaf: _Leaf, torch):
         out = out.view(view_as)
     if leaf.how == _GATHER:
         out.copy_(t)
-    if t.requires_grad:
-        out.requires_grad_(True)
-    return out
+    if leaf.grad is not None:
+        out = _attach_grad(leaf.grad, out)
+    return out.as_subclass(leaf.wrap) if leaf.wrap is not None else out
 
 
 def _array_out(block, offset, leaf: _Leaf):
@@ -118,7 +189,7 @@ def _array_out(block, offset, leaf: _Leaf):
     out = block.numpy(offset, a.shape, strides, a.dtype)
     if leaf.how == _GATHER:
         np.copyto(out, a)
-    return out
+    return out.view(leaf.wrap) if leaf.wrap is not None else out
 
 
 def _torch_pin(t):
@@ -259,12 +330,12 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
                 return _array_out(block, offset, leaf)
             return _tensor_out(block, offset, leaf, torch)
         if leaf.how == _TORCH:
-            if isinstance(leaf.obj, np.ndarray):
-                return leaf.obj.copy()
-            return _torch_pin(leaf.obj)
+            if isinstance(leaf.input, np.ndarray):
+                return leaf.input.copy()
+            return _torch_pin(leaf.input)
         if leaf.how == _CUSTOM:
             return leaf.obj.pin_memory()
-        return leaf.obj
+        return leaf.input
 
     out = unflatten(spec, [build(leaf) for leaf in leaves])
     _count(batches=1, leaves=len(pinned), nbytes=sum(leaf.nbytes for leaf in pinned))
