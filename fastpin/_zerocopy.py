@@ -92,16 +92,31 @@ def _stack_now(tree):
 
 
 class _Ref:
-    """Where a leaf lies in the block: offset, shape, strides (elements) and type."""
+    """Where a leaf lies in the block: offset, shape, strides (elements), type
+    (a torch dtype, or a NumPy dtype object, so structured dtypes keep their
+    fields) and whether the tensor requires grad."""
 
-    __slots__ = ("offset", "shape", "strides", "dtype", "numpy")
+    __slots__ = ("offset", "shape", "strides", "dtype", "numpy", "requires_grad")
 
-    def __init__(self, offset, shape, strides, dtype, numpy):
+    def __init__(self, offset, shape, strides, dtype, numpy, requires_grad=False):
         self.offset, self.shape, self.strides = offset, shape, strides
-        self.dtype, self.numpy = dtype, numpy
+        self.dtype, self.numpy, self.requires_grad = dtype, numpy, requires_grad
 
     def __reduce__(self):
-        return (_Ref, (self.offset, self.shape, self.strides, self.dtype, self.numpy))
+        return (_Ref, (self.offset, self.shape, self.strides, self.dtype, self.numpy,
+                       self.requires_grad))
+
+
+def _placeable(x) -> bool:
+    """Whether a worker's leaf can travel in the block; the rest is pickled the
+    ordinary way, unchanged: subclasses (masked arrays, memmaps, tensor
+    subclasses), nested, sparse and quantized tensors, object arrays, and
+    non-leaf tensors that require grad (which torch refuses to send)."""
+    if type(x) is np.ndarray:
+        return not x.dtype.hasobject
+    return (type(x) is torch.Tensor and x.device.type == "cpu" and x.layout == torch.strided
+            and not x.is_nested and torch_carrier(x.dtype) is not None
+            and not (x.requires_grad and x.grad_fn is not None))
 
 
 def _pack(tree, arena: _C.Arena):
@@ -114,6 +129,8 @@ def _pack(tree, arena: _C.Arena):
 
     def add(t) -> None:
         nonlocal offset
+        if t.requires_grad:
+            t = t.detach()
         if not t.is_contiguous() or t.is_conj() or t.is_neg():
             t = t.contiguous().resolve_conj().resolve_neg()
             keep.append(t)
@@ -136,19 +153,18 @@ def _pack(tree, arena: _C.Arena):
                 add(sample)
             shape = (len(x.samples), *x.samples[0].shape)
             ref = _Ref(start, shape, _contiguous_strides(shape), x.samples[0].dtype, False)
+        elif not _placeable(x):
+            return x  # travels the ordinary way
         elif isinstance(x, torch.Tensor):
-            if x.device.type != "cpu" or x.layout != torch.strided or torch_carrier(x.dtype) is None:
-                return x  # travels the ordinary way
             add(x)
-            ref = _Ref(start, tuple(x.shape), _contiguous_strides(x.shape), x.dtype, False)
+            ref = _Ref(start, tuple(x.shape), _contiguous_strides(x.shape), x.dtype, False,
+                       x.requires_grad)
         else:
-            if x.dtype.hasobject:
-                return x
             a = np.ascontiguousarray(x)
             keep.append(a)
             sources.append((a.ctypes.data if a.nbytes else 0, a.nbytes))
             offset += a.nbytes
-            ref = _Ref(start, a.shape, _contiguous_strides(a.shape), a.dtype.str, True)
+            ref = _Ref(start, a.shape, _contiguous_strides(a.shape), a.dtype, True)
         pad()
         return ref
 
@@ -275,7 +291,9 @@ def _leaf_out(block, ref: _Ref):
         return block.numpy(ref.offset, ref.shape, [s * dtype.itemsize for s in ref.strides], dtype)
     (code, bits, lanes), view_as = torch_carrier(ref.dtype)
     out = torch.from_dlpack(block.dlpack(ref.offset, ref.shape, ref.strides, code, bits, lanes))
-    return out.view(view_as) if view_as is not None else out
+    if view_as is not None:
+        out = out.view(view_as)
+    return out.requires_grad_() if ref.requires_grad else out
 
 
 def adopted(batch: Any) -> Any:
@@ -328,7 +346,8 @@ def device_views(batch: "_Adopted", buffer: torch.Tensor) -> Optional[Any]:
             unknown = True
             return None
         nbytes = math.prod(ref.shape) * dtype.itemsize
-        return buffer[ref.offset:ref.offset + nbytes].view(dtype).view(ref.shape)
+        out = buffer[ref.offset:ref.offset + nbytes].view(dtype).view(ref.shape)
+        return out.requires_grad_() if ref.requires_grad else out
 
     tree = map_leaves(batch.tree, lambda x: isinstance(x, _Ref), view)
     return None if unknown else tree
