@@ -54,7 +54,7 @@ class Layout:
     with the same type, dtype, shape and strides; small, and picklable (the
     zero-copy workers ship it)."""
 
-    __slots__ = ("numpy", "dtype", "shape", "strides", "nbytes", "dense", "wrap")
+    __slots__ = ("numpy", "dtype", "shape", "strides", "nbytes", "dense", "wrap", "carrier")
 
     def __init__(self, numpy, dtype, shape, strides, nbytes, dense, wrap=None):
         self.numpy = numpy      # True: an ndarray comes back; False: a torch tensor
@@ -64,6 +64,8 @@ class Layout:
         self.nbytes = nbytes    # bytes it takes
         self.dense = dense      # True: one memcpy from the source's address copies it
         self.wrap = wrap        # the subclass the view is given back as, or None
+        # torch: ((code, bits, lanes), dtype to .view() as after import, or None)
+        self.carrier = None if numpy else torch_carrier(dtype)
 
     def __reduce__(self):
         return (Layout, (self.numpy, self.dtype, self.shape, self.strides, self.nbytes,
@@ -75,10 +77,8 @@ class Layout:
             itemsize = self.dtype.itemsize
             return block.numpy(offset, self.shape, [s * itemsize for s in self.strides],
                                self.dtype)
-        import torch
-
-        (code, bits, lanes), view_as = torch_carrier(self.dtype)
-        out = torch.from_dlpack(block.dlpack(offset, self.shape, self.strides, code, bits, lanes))
+        (code, bits, lanes), view_as = self.carrier
+        out = _from_capsule()(block.dlpack(offset, self.shape, self.strides, code, bits, lanes))
         return out.view(view_as) if view_as is not None else out
 
     def device(self, buffer, offset: int):
@@ -91,6 +91,20 @@ class Layout:
         if self.strides == contiguous_strides(self.shape):
             return region.view(self.shape)
         return region.as_strided(self.shape, self.strides)
+
+
+_from_capsule_fn = None
+
+
+def _from_capsule():
+    """torch.from_dlpack for a capsule (what it calls for one, without its checks
+    of the other kinds of argument)."""
+    global _from_capsule_fn
+    if _from_capsule_fn is None:
+        import torch
+
+        _from_capsule_fn = getattr(torch._C, "_from_dlpack", torch.from_dlpack)
+    return _from_capsule_fn
 
 
 _numpy_to_torch: dict = {}
@@ -122,6 +136,8 @@ class Handler:
     out(view, x, layout): the leaf given back from its host view.
     ordinary(x): what the leaf becomes when it is not placed in a block.
     """
+
+    stacks = False  # True: placed from several pieces (pieces(), gather_pieces())
 
     def layout(self, x) -> Optional[Layout]:
         return None
@@ -309,6 +325,8 @@ class Stack:
 
 
 class _Stacks(Handler):
+    stacks = True
+
     def __init__(self):
         self.layouts: dict = {}
 
@@ -441,35 +459,38 @@ class Plan:
 
     def __init__(self, leaves: list, keep_pinned: bool = True):
         self.leaves = leaves
-        self.handlers = handlers = [_handler(x) for x in leaves]
-        self.layouts = layouts = [h.layout(x) for h, x in zip(handlers, leaves)]
-        if keep_pinned and cuda_available():
-            # Pinned already: comes back unchanged (asks CUDA: not in workers).
-            for i, (h, x) in enumerate(zip(handlers, leaves)):
-                if layouts[i] is not None and h.pinned(x):
-                    layouts[i] = None
-        self.offsets: list = []
-        self.sources: list = []   # (address, nbytes) for Arena.pin with align 1
-        self.reads: list = []     # per placed leaf: what a gather reads (or pieces)
+        self.handlers = handlers = []
+        self.layouts = layouts = []
+        self.offsets = offsets = []
+        self.sources = sources = []   # (address, nbytes) for Arena.pin with align 1
+        self.reads = reads = []       # per placed leaf: what a gather reads (or pieces)
+        check_pinned = keep_pinned and cuda_available()  # asks CUDA: not in workers
         offset = data = 0
-        sources = self.sources
-        for x, h, layout in zip(leaves, handlers, self.layouts):
+        for x in leaves:
+            h = _handlers.get(type(x))
+            if h is None or h is _MAYBE:
+                h = _handler(x)
+            handlers.append(h)
+            layout = h.layout(x)
+            if layout is not None and check_pinned and h.pinned(x):
+                layout = None  # pinned already: comes back unchanged
+            layouts.append(layout)
             if layout is None:
-                self.offsets.append(-1)
+                offsets.append(-1)
                 continue
             gap = -offset % GRANULE
             if gap:
                 sources.append((0, gap))
                 offset += gap
-            self.offsets.append(offset)
-            if isinstance(h, _Stacks):
+            offsets.append(offset)
+            if h.stacks:
                 pieces = h.pieces(x, layout)
                 sources.extend(pieces)
-                self.reads.append(pieces)
+                reads.append(pieces)
             else:
                 address, read = h.source(x, layout)
                 sources.append((address, layout.nbytes))
-                self.reads.append(None if address else read)
+                reads.append(None if address else read)
             offset += layout.nbytes
             data += layout.nbytes
         self.nbytes = offset      # the block's bytes, padding included
@@ -489,7 +510,7 @@ class Plan:
                 continue
             view = layout.host(block, offset)
             read = next(reads)
-            if isinstance(h, _Stacks):
+            if h.stacks:
                 h.gather_pieces(view, x, read)
             elif read is not None:
                 h.gather(view, read)
@@ -503,7 +524,7 @@ class Plan:
             if layout is None:
                 continue
             read = next(reads)
-            if isinstance(h, _Stacks):
+            if h.stacks:
                 if not all(address for address, n in read if n):
                     h.gather_pieces(layout.host(block, offset), x, read)
             elif read is not None:

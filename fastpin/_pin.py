@@ -50,12 +50,12 @@ class _Fallback(Exception):
 _warned_too_big = False
 
 
-def _pin_with_policy(arena, sources, on_full: str):
-    """The block of arena.pin(sources, 1) (a Plan's sources, padding included),
-    or what the full-arena policy says instead (raises _Fallback when that is
-    the ordinary path)."""
+def _pin_with_policy(arena, plan, on_full: str):
+    """The block of arena.pin(plan.sources, 1) (padding included), or what the
+    full-arena policy says instead (raises _Fallback when that is the ordinary
+    path)."""
     global _warned_too_big
-    total = sum(n for _, n in sources)
+    sources, total = plan.sources, plan.nbytes
     if total > arena.capacity:
         message = (f"a batch of {total} bytes cannot be pinned in an arena of "
                    f"{arena.capacity} bytes: raise the cap with fastpin.configure(capacity=...) "
@@ -128,7 +128,7 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     if plan.placed:
         arena = arena if arena is not None else default_arena(device)
         try:
-            block = _pin_with_policy(arena, plan.sources, on_full or _policy["on_full"])
+            block = _pin_with_policy(arena, plan, on_full or _policy["on_full"])
         except _Fallback:
             _count(batches=1, fallbacks=1)
             return unflatten(spec, plan.ordinary())
