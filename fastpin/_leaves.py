@@ -242,10 +242,15 @@ class _Tensors(Handler):
                 "only CPU tensors can (as with torch.Tensor.pin_memory)")
         if t.is_nested or t.layout is not _torch().strided:
             return None
-        key = (t.dtype, t.shape, t.stride(), t.is_conj() or t.is_neg())
+        if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+            key = (t.dtype, t.shape)  # the common case: the strides follow
+            resolve = False
+        else:
+            resolve = t.is_conj() or t.is_neg()
+            key = (t.dtype, t.shape, t.stride(), resolve)
         layout = self.layouts.get(key)
         if layout is None:
-            layout = self.layouts[key] = self._make(t, key[3])
+            layout = self.layouts[key] = self._make(t, resolve)
         return layout
 
     def _make(self, t, resolve: bool) -> Optional[Layout]:
