@@ -22,7 +22,7 @@ def _stack_into_arena(batch, *, collate_fn_map=None):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     plan = Plan([Stack(batch)])
     try:
-        block = _pin_with_policy(default_arena(), plan, _policy["on_full"])
+        block = _pin_with_policy(default_arena(), plan, str(_policy["on_full"]))
     except _Fallback:
         _count(fallbacks=1)
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)

@@ -17,7 +17,7 @@ the second and later batches of one structure skip the per-leaf planning.
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -148,6 +148,12 @@ class Handler:
     def gather(self, view, src) -> None:
         raise NotImplementedError
 
+    def pieces(self, x, layout: Layout) -> list:
+        raise NotImplementedError  # stacks only
+
+    def gather_pieces(self, view, x, pieces) -> None:
+        raise NotImplementedError  # stacks only
+
     def out(self, view, x, layout: Layout):
         return view
 
@@ -247,7 +253,7 @@ class _Tensors(Handler):
             resolve = False
         else:
             resolve = t.is_conj() or t.is_neg()
-            key = (t.dtype, t.shape, t.stride(), resolve)
+            key = (t.dtype, t.shape, t.stride(), resolve)  # type: ignore[assignment]
         layout = self.layouts.get(key)
         if layout is None:
             layout = self.layouts[key] = self._make(t, resolve)
@@ -411,7 +417,7 @@ def handler_for(cls: type) -> Optional[Handler]:
         return _handlers[cls]
     except KeyError:
         pass
-    handler = None
+    handler: Optional[Handler] = None
     torch = sys.modules.get("torch")
     if torch is not None and issubclass(cls, torch.Tensor):
         if cls is torch.Tensor:
@@ -450,6 +456,7 @@ def is_leaf(x) -> bool:
 
 def _handler(x) -> Handler:
     handler = handler_for(type(x))
+    assert handler is not None, "flatten gave a leaf no handler takes"
     return _SELF_PINNING if handler is _MAYBE else handler
 
 
@@ -464,11 +471,13 @@ class Plan:
 
     def __init__(self, leaves: list, keep_pinned: bool = True):
         self.leaves = leaves
-        self.handlers = handlers = []
-        self.layouts = layouts = []
-        self.offsets = offsets = []
-        self.sources = sources = []   # (address, nbytes) for Arena.pin with align 1
-        self.reads = reads = []       # per placed leaf: what a gather reads (or pieces)
+        self.handlers: list[Handler] = []
+        self.layouts: list[Optional[Layout]] = []
+        self.offsets: list[int] = []
+        self.sources: list[tuple[int, int]] = []   # (address, nbytes) for Arena.pin, align 1
+        self.reads: list[Any] = []    # per placed leaf: what a gather reads (or pieces)
+        handlers, layouts, offsets = self.handlers, self.layouts, self.offsets
+        sources, reads = self.sources, self.reads
         check_pinned = keep_pinned and cuda_available()  # asks CUDA: not in workers
         offset = data = 0
         for x in leaves:

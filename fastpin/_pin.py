@@ -8,7 +8,7 @@ import time
 from typing import Any, Optional
 
 from . import _C, _graphs
-from ._arena import ON_FULL, _policy, cuda_available, default_arena
+from ._arena import ON_FULL, _policy, cuda_available, default_arena, policy
 from ._leaves import Plan, is_leaf
 from ._walk import flatten, unflatten
 
@@ -80,7 +80,7 @@ def _pin_with_policy(arena, plan, on_full: str):
             # "wait": until the consumer frees batches, within the timeout.
             now = time.monotonic()
             if deadline is None:
-                deadline = now + _policy["wait_timeout"]
+                deadline = now + policy()["wait_timeout"]
             if now >= deadline:
                 raise _C.ArenaFullError(
                     f"{e}; waited {_policy['wait_timeout']:g} s for room "
@@ -128,7 +128,7 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     if plan.placed:
         arena = arena if arena is not None else default_arena(device)
         try:
-            block = _pin_with_policy(arena, plan, on_full or _policy["on_full"])
+            block = _pin_with_policy(arena, plan, on_full or str(_policy["on_full"]))
         except _Fallback:
             _count(batches=1, fallbacks=1)
             return unflatten(spec, plan.ordinary())

@@ -67,7 +67,7 @@ def flatten(data: Any, is_leaf: Callable[[Any], bool]) -> tuple:
         if isinstance(x, collections.abc.Mapping):
             items = list(x.items())
             spec.append((_MAP, x, [k for k, _ in items]))
-            children = [v for _, v in items]
+            children: Any = [v for _, v in items]
         elif isinstance(x, tuple):
             spec.append((_NAMEDTUPLE if hasattr(x, "_fields") else _TUPLE, x, len(x)))
             children = x
