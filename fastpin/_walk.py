@@ -45,6 +45,17 @@ _LEAF_NODE = (_LEAF, None, None)
 MAX_DEPTH = 100_000
 
 
+class _Flat:
+    """The spec of a plain dict, list or tuple of leaves (most DataLoader
+    batches): its keys or length, rebuilt in one step. Not shared between
+    batches: looking one up would compare keys, which may be any hashable."""
+
+    __slots__ = ("kind", "keys")
+
+    def __init__(self, kind: type, keys: Any):
+        self.kind, self.keys = kind, keys
+
+
 def flatten(data: Any, is_leaf: Callable[[Any], bool]) -> tuple:
     """One walk of `data`: (spec, leaves), the structure and the objects
     is_leaf accepts, in order. Each container is iterated once, so keys and
@@ -52,6 +63,12 @@ def flatten(data: Any, is_leaf: Callable[[Any], bool]) -> tuple:
     still rebuilds right)."""
     if is_leaf(data):
         return [_LEAF_NODE], [data]
+    kind = type(data)
+    if kind is dict or kind is list or kind is tuple:
+        leaves = list(data.values()) if kind is dict else list(data)
+        if all(map(is_leaf, leaves)):
+            # A plain dict's keys and values come from one table, in one order.
+            return _Flat(kind, tuple(data) if kind is dict else len(leaves)), leaves
     spec: list = []
     leaves: list = []
     stack = [(data, 0)]
@@ -128,8 +145,12 @@ def _rebuild(kind: int, data: Any, keys: Any, items: list) -> Any:
     return clone
 
 
-def unflatten(spec: list, leaves: list) -> Any:
+def unflatten(spec: Any, leaves: list) -> Any:
     """The structure `spec` records, with `leaves` (in flatten's order) in it."""
+    if type(spec) is _Flat:
+        if spec.kind is dict:
+            return dict(zip(spec.keys, leaves))
+        return leaves if spec.kind is list else tuple(leaves)
     if len(spec) == 1 and spec[0][0] == _LEAF:
         return leaves[0]
     values: list = []

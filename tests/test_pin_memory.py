@@ -699,3 +699,22 @@ def test_subclasses_and_grad_kept_on_the_ordinary_path(small_arena):
     assert out[1].requires_grad and out[1].grad_fn is not None
     assert type(out[2]) is np.matrix and out[2].tobytes() == matrix.tobytes()
     del hold
+
+
+def test_flat_batches_rebuild_as_they_came(arena):
+    """The one-level dict/list/tuple fast path keeps keys (any hashable, in
+    order), types and every leaf."""
+    key = torch.tensor([1])                           # a key whose == is elementwise
+    batch = {"b": patterned((3,), torch.int8, 1), 2: patterned((2,), np.int16, 2),
+             key: patterned((4,), torch.float64, 3)}
+    out = fastpin.pin_memory(batch, arena=arena)
+    assert type(out) is dict and list(out) == list(batch)
+    for k in batch:
+        assert_same(out[k], batch[k]) and in_arena(out[k], arena)
+    for kind in (list, tuple):
+        seq = kind([patterned((5,), torch.int32, 4), patterned((1,), np.uint8, 5)])
+        out = fastpin.pin_memory(seq, arena=arena)
+        assert type(out) is kind and len(out) == 2
+        for o, i in zip(out, seq):
+            assert_same(o, i)
+    assert fastpin.pin_memory({}, arena=arena) == {} and fastpin.pin_memory((), arena=arena) == ()
