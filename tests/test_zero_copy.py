@@ -258,3 +258,52 @@ def test_zero_copy_loses_requires_grad():
     for feat, img in loader:
         assert feat.requires_grad and not img.requires_grad
         assert inside(feat, loader.arena)
+
+
+def collate_channels_last(samples):
+    return {"img": torch.stack([s["img"] for s in samples]).to(memory_format=torch.channels_last),
+            "label": torch.tensor([s["label"] for s in samples])}
+
+
+def test_zero_copy_channels_last_keeps_strides():
+    dl = DataLoader(Images(24), batch_size=6, num_workers=2, collate_fn=collate_channels_last)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=4 * MB)
+    for batch in loader:
+        img = batch["img"]
+        assert img.is_contiguous(memory_format=torch.channels_last) and inside(img, loader.arena)
+        for x, i in zip(img, batch["label"].tolist()):
+            assert torch.equal(x, expected(i))
+
+
+def test_device_views_match_host_views():
+    """Device mode's views of one copied block (here over a CPU tensor of the
+    block's bytes) read what the host views read: contiguous and channels_last
+    tensors, NumPy leaves, sub-word dtypes, requires_grad."""
+    from fastpin import _leaves
+    from fastpin._walk import flatten
+
+    arena = _C.Arena(4 * MB, cuda=False)
+    g = torch.Generator().manual_seed(3)
+    leaves = [torch.randint(0, 256, (2, 3, 5, 4), dtype=torch.uint8, generator=g)
+              .to(memory_format=torch.channels_last),
+              torch.randn(7, 3, generator=g).requires_grad_(),
+              np.arange(11, dtype=np.int16) * 3 - 7,
+              torch.rand(9, generator=g) > 0.5,
+              torch.randn(3, 4, generator=g, dtype=torch.float64).t()]
+    plan = _leaves.Plan(leaves, keep_pinned=False)
+    block, _ = arena.pin(plan.sources, 1)
+    plan.fill(block)
+    refs = [(offset, layout) for offset, layout in zip(plan.offsets, plan.layouts)]
+    buffer = torch.from_dlpack(block.dlpack(0, (block.nbytes,), (1,), 1, 8, 1))
+    views = _leaves.device_views(refs, buffer)
+    for x, view, (offset, layout) in zip(leaves, views, refs):
+        host = layout.host(block, offset)
+        want = torch.from_numpy(x) if isinstance(x, np.ndarray) else x.detach()
+        assert view.dtype == want.dtype and view.shape == want.shape
+        assert view.stride() == (host.stride() if isinstance(host, torch.Tensor)
+                                 else tuple(s // x.itemsize for s in host.strides))
+        assert torch.equal(view, want)
+    assert views[0].is_contiguous(memory_format=torch.channels_last)
+    del views, buffer, block
+    gc.collect()
+    assert arena.is_valid()
