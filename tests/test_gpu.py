@@ -343,7 +343,7 @@ def test_zero_copy_device_mode_every_leaf_kind():
 
 
 def _grad_channels_last_collate(samples):
-    x = torch.stack([s["u8"] for s in samples]).reshape(len(samples), 2, 2, -1)
+    x = torch.stack([s["u8"] for s in samples]).unsqueeze(1).repeat(1, 3, 1, 1)  # N, 3, 5, 7
     return {"cl": x.to(memory_format=torch.channels_last),
             "w": torch.stack([s["f16"] for s in samples]).float().requires_grad_(),
             "i": torch.tensor([s["i"] for s in samples])}
