@@ -164,10 +164,10 @@ class Handler:
         """Whether x is page-locked already (then it comes back unchanged)."""
         return False
 
-
-class _Keep(Handler):
-    """Passed through unchanged: what fastpin leaves as torch leaves it (masked
-    arrays, memmaps, other array subclasses, object arrays)."""
+    def device_source(self, x):
+        """For the Loader's copy to a device: the tensor whose bytes the leaf
+        sends (contiguous where it is on the CPU), or None: it stays as it is."""
+        return None
 
 
 class _SelfPinning(Handler):
@@ -206,6 +206,27 @@ class _Arrays(Handler):
 
     def ordinary(self, a):
         return a if a.dtype.hasobject else a.copy()
+
+    def device_source(self, a):
+        # As the copy path always gave them: tensors (torch says so for a
+        # dtype it has not, such as a structured one).
+        return None if a.dtype.hasobject else _torch().from_numpy(np.ascontiguousarray(a))
+
+
+class _KeptArrays(_Arrays):
+    """Array subclasses fastpin does not place (masked arrays, memmaps, ...):
+    passed through unchanged, as torch's pin_memory leaves them. The Loader
+    still sends their data to a device, as it does any array's, except a
+    masked array's (its data alone would unmask it)."""
+
+    def layout(self, a):
+        return None
+
+    def ordinary(self, a):
+        return a
+
+    def device_source(self, a):
+        return None if isinstance(a, np.ma.MaskedArray) else super().device_source(a)
 
 
 _grad_function = None
@@ -289,6 +310,11 @@ class _Tensors(Handler):
         if t.requires_grad and _torch().is_grad_enabled():
             view = _attach_grad(t, view)
         return view.as_subclass(self.wrap) if self.wrap is not None else view
+
+    def device_source(self, t):
+        if t.is_cpu and (not t.is_contiguous() or t.is_conj() or t.is_neg()):
+            return t.contiguous().resolve_conj().resolve_neg()
+        return t
 
     def ordinary(self, t):
         if self.pinned(t):
@@ -383,7 +409,6 @@ def stackable(batch) -> bool:
 
 # ---- the registry -------------------------------------------------------------
 
-_KEEP = _Keep()
 _handlers: dict = {np.ndarray: _Arrays(), np.matrix: _Arrays(np.matrix),
                    np.recarray: _Arrays(np.recarray), Stack: _Stacks()}
 
@@ -429,7 +454,7 @@ def handler_for(cls: type) -> Optional[Handler]:
             else:
                 handler = _Subclass(cls if rule == "wrap" else None)
     elif issubclass(cls, np.ndarray):
-        handler = _KEEP
+        handler = _KeptArrays()
     elif issubclass(cls, type):
         handler = None  # a class with a pin_memory attribute is not asked
     elif hasattr(cls, "pin_memory"):
@@ -549,10 +574,11 @@ class Plan:
         return [h.ordinary(x) for h, x in zip(self.handlers, self.leaves)]
 
 
-def placed_refs(plan: Plan) -> list:
-    """(offset, Layout) of each leaf (None where not placed), for shipping."""
-    return [None if layout is None else (offset, layout)
-            for layout, offset in zip(plan.layouts, plan.offsets)]
+def device_source(x):
+    """The Loader's device copy of one tensor or array leaf: the tensor whose
+    bytes it sends, or None where the leaf passes through unchanged (object
+    arrays, masked arrays, memmaps)."""
+    return _handler(x).device_source(x)
 
 
 def device_views(refs: list, buffer) -> Optional[list]:
