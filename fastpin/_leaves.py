@@ -261,13 +261,14 @@ class _Tensors(Handler):
     def __init__(self, wrap=None):
         self.wrap = wrap
         self.layouts: dict = {}
+        self.strided = _torch().strided  # made with torch imported: it has a tensor
 
     def layout(self, t) -> Optional[Layout]:
         if not t.is_cpu:
             raise ValueError(
                 f"fastpin.pin_memory: a tensor on {t.device} cannot be pinned; "
                 "only CPU tensors can (as with torch.Tensor.pin_memory)")
-        if t.is_nested or t.layout is not _torch().strided:
+        if t.is_nested or t.layout is not self.strided:
             return None
         if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             key = (t.dtype, t.shape)  # the common case: the strides follow
