@@ -106,9 +106,17 @@ def cuda_status() -> CudaStatus:
                       s["fence"])
 
 
+_cuda_ready = (0, False)  # (pid, answer): asked per batch and per leaf
+
+
 def cuda_available() -> bool:
-    """True when the driver is loaded and a device is visible: memory is then page-locked."""
-    return _C.cuda_status()["state"] == "ready"
+    """True when the driver is loaded and a device is visible: memory is then
+    page-locked. Remembered for this process (the driver's state does not change)."""
+    global _cuda_ready
+    pid = os.getpid()
+    if _cuda_ready[0] != pid:
+        _cuda_ready = (pid, _C.cuda_status()["state"] == "ready")
+    return _cuda_ready[1]
 
 
 _lock = threading.Lock()

@@ -8,40 +8,26 @@ from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import collate as _collate
 from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
-from ._arena import default_arena
-from ._dtypes import torch_carrier
-from ._pin import _contiguous_strides, _count
+from ._arena import _policy, default_arena
+from ._leaves import Plan, Stack, stackable
+from ._pin import _count, _Fallback, _pin_with_policy
+
+__all__ = ["collate", "stackable"]
 
 _warned_worker = False
-
-
-def stackable(batch) -> bool:
-    """Whether fastpin can stack these samples into a block itself: dense CPU
-    tensors of one shape and a dtype it exports; the rest goes to torch."""
-    elem = batch[0]
-    return not (elem.device.type != "cpu" or elem.layout != torch.strided or elem.is_nested
-                or elem.is_quantized or torch_carrier(elem.dtype) is None
-                or any(t.shape != elem.shape or t.dtype != elem.dtype or t.device != elem.device
-                       for t in batch))
 
 
 def _stack_into_arena(batch, *, collate_fn_map=None):
     if not stackable(batch):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-    elem = batch[0]
-    (code, bits, lanes), view_as = torch_carrier(elem.dtype)
-    nbytes = elem.numel() * elem.element_size()
-    sources = [(t.data_ptr() if nbytes and t.is_contiguous() and not (t.is_conj() or t.is_neg())
-                else 0, nbytes) for t in batch]
-    block, _ = default_arena().pin(sources, 1)
-    shape = (len(batch), *elem.shape)
-    out = torch.from_dlpack(block.dlpack(0, shape, _contiguous_strides(shape), code, bits, lanes))
-    if view_as is not None:
-        out = out.view(view_as)
-    for i, (t, (address, _)) in enumerate(zip(batch, sources)):
-        if nbytes and not address:
-            out[i].copy_(t)
-    _count(leaves=1, nbytes=nbytes * len(batch))
+    plan = Plan([Stack(batch)])
+    try:
+        block = _pin_with_policy(default_arena(), plan, str(_policy["on_full"]))
+    except _Fallback:
+        _count(fallbacks=1)
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    out, = plan.host(block)
+    _count(leaves=1, nbytes=plan.data_bytes)
     return out
 
 

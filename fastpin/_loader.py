@@ -26,7 +26,7 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from . import _C, _graphs, _numa, _torch
+from . import _C, _graphs, _leaves, _numa, _torch
 from ._arena import _check_int, check_capacity, cuda_available, default_arena, device_index
 from ._pin import pin_memory
 from ._walk import map_leaves
@@ -538,19 +538,16 @@ class _Producer:
         keep = []     # (destination, the source it reads)
         made = []     # every device tensor made here, for record_stream later
 
-        def leaf(x):
-            if isinstance(x, np.ndarray):
-                if x.dtype.hasobject:
-                    return x
-                x = torch.from_numpy(np.ascontiguousarray(x))
+        def leaf(given):
+            x = _leaves.device_source(given)  # the leaf's type decides (one registry)
+            if x is None:
+                return given
             if x.device == self.device:
                 return x  # there already
             if x.device.type != "cpu":
                 moved = x.to(self.device, non_blocking=True)
                 made.append(moved)
                 return moved
-            if not x.is_contiguous() or x.is_conj() or x.is_neg():
-                x = x.contiguous().resolve_conj().resolve_neg()
             dst = torch.empty(x.shape, dtype=x.dtype, device=self.device)
             made.append(dst)
             nbytes = x.numel() * x.element_size()

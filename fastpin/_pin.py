@@ -1,18 +1,16 @@
-"""fastpin.pin_memory: a batch's tensor and array leaves into one arena block."""
+"""fastpin.pin_memory: a batch's tensor and array leaves into one arena block
+(planned, packed and given back by the leaf pipeline, _leaves)."""
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from typing import Any, Optional
 
-import numpy as np
-
 from . import _C, _graphs
-from ._arena import cuda_available, default_arena, policy
-from ._dtypes import torch_carrier
-from ._walk import map_leaves
+from ._arena import ON_FULL, _policy, cuda_available, default_arena, policy
+from ._leaves import Plan, is_leaf
+from ._walk import flatten, unflatten
 
 log = logging.getLogger("fastpin")
 
@@ -33,105 +31,6 @@ def counters() -> dict:
         return dict(_counters)
 
 
-def _is_dense(sizes, strides) -> bool:
-    """True when the elements fill their span exactly once (a permutation of a
-    contiguous layout, channels_last included), so one memcpy copies them."""
-    expected = 1
-    dims = sorted((st, sz) for sz, st in zip(sizes, strides) if sz != 1)
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-# A leaf's plan: how it gets into the block, and how it comes back out.
-_COPY, _GATHER, _KEEP, _TORCH, _CUSTOM = range(5)
-
-
-class _Leaf:
-    __slots__ = ("obj", "how", "nbytes", "source")
-
-    def __init__(self, obj, how, nbytes=0, source=0):
-        self.obj = obj          # the input leaf (a contiguous view of it for _COPY)
-        self.how = how          # one of _COPY, _GATHER, _KEEP, _TORCH, _CUSTOM
-        self.nbytes = nbytes    # bytes it takes in the block
-        self.source = source    # address memcpy reads from (_COPY only)
-
-
-def _plan_tensor(t, torch) -> _Leaf:
-    if t.device.type != "cpu":
-        raise ValueError(
-            f"fastpin.pin_memory: a tensor on {t.device} cannot be pinned; "
-            "only CPU tensors can (as with torch.Tensor.pin_memory)")
-    if (t.layout != torch.strided or t.is_quantized or t.is_nested
-            or torch_carrier(t.dtype) is None):
-        return _Leaf(t, _TORCH)
-    if cuda_available() and t.is_pinned():
-        return _Leaf(t, _KEEP)
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
-    nbytes = t.numel() * t.element_size()
-    if t.is_contiguous() or _is_dense(t.shape, t.stride()):
-        return _Leaf(t, _COPY, nbytes, t.data_ptr() if nbytes else 0)
-    return _Leaf(t, _GATHER, nbytes)
-
-
-def _plan_array(a: np.ndarray) -> _Leaf:
-    if a.dtype.hasobject:
-        return _Leaf(a, _KEEP)  # references, not data: nothing to pin
-    if a.flags.c_contiguous:
-        return _Leaf(a, _COPY, a.nbytes, a.ctypes.data if a.nbytes else 0)
-    return _Leaf(a, _GATHER, a.nbytes)
-
-
-def _contiguous_strides(shape) -> tuple:
-    """Row-major strides, in elements, of `shape`."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(strides[::-1])
-
-
-def _tensor_out(block, offset, leaf: _Leaf, torch):
-    t = leaf.obj
-    (code, bits, lanes), view_as = torch_carrier(t.dtype)
-    shape = tuple(t.shape)
-    # Dense permuted layouts (channels_last) keep their strides; contiguous
-    # ones get canonical strides (size-1 dims may carry any stride in torch).
-    dense_permuted = leaf.how == _COPY and not t.is_contiguous()
-    strides = t.stride() if dense_permuted else _contiguous_strides(shape)
-    out = torch.from_dlpack(block.dlpack(offset, shape, strides, code, bits, lanes))
-    if view_as is not None:
-        out = out.view(view_as)
-    if leaf.how == _GATHER:
-        out.copy_(t)
-    if t.requires_grad:
-        out.requires_grad_(True)
-    return out
-
-
-def _array_out(block, offset, leaf: _Leaf):
-    a = leaf.obj
-    strides = [s * a.itemsize for s in _contiguous_strides(a.shape)]
-    out = block.numpy(offset, a.shape, strides, a.dtype)
-    if leaf.how == _GATHER:
-        np.copyto(out, a)
-    return out
-
-
-def _torch_pin(t):
-    """The ordinary path: torch's own pinning (or a copy where no GPU can pin)."""
-    if not cuda_available():
-        return t.clone()
-    if t.is_quantized:
-        # torch's own pin_memory fails on these with a message about copies.
-        raise TypeError(f"fastpin.pin_memory: quantized tensors ({t.dtype}) cannot be pinned, "
-                        "by fastpin or by torch; pin t.int_repr() instead")
-    return t.pin_memory()
-
-
 class _Fallback(Exception):
     """The policy says: pin this batch the ordinary way."""
 
@@ -139,10 +38,12 @@ class _Fallback(Exception):
 _warned_too_big = False
 
 
-def _pin_with_policy(arena, sources, on_full: str):
-    """arena.pin(sources), or what the full-arena policy says instead."""
+def _pin_with_policy(arena, plan, on_full: str):
+    """The block of arena.pin(plan.sources, 1) (padding included), or what the
+    full-arena policy says instead (raises _Fallback when that is the ordinary
+    path)."""
     global _warned_too_big
-    total = sum((n + _C.GRANULE - 1) // _C.GRANULE * _C.GRANULE for _, n in sources)
+    sources, total = plan.sources, plan.nbytes
     if total > arena.capacity:
         message = (f"a batch of {total} bytes cannot be pinned in an arena of "
                    f"{arena.capacity} bytes: raise the cap with fastpin.configure(capacity=...) "
@@ -157,7 +58,7 @@ def _pin_with_policy(arena, sources, on_full: str):
     delay = 0.0005
     while True:
         try:
-            return arena.pin(sources)
+            return arena.pin(sources, 1)[0]
         except _C.ArenaFullError as e:
             if on_full == "fallback":  # the first one slows the user down: say so, once
                 log.log(logging.DEBUG if _counters["fallbacks"] else logging.WARNING,
@@ -172,7 +73,7 @@ def _pin_with_policy(arena, sources, on_full: str):
                 deadline = now + policy()["wait_timeout"]
             if now >= deadline:
                 raise _C.ArenaFullError(
-                    f"{e}; waited {policy()['wait_timeout']:g} s for room "
+                    f"{e}; waited {_policy['wait_timeout']:g} s for room "
                     "(fastpin.configure(on_full=..., wait_timeout=...))") from None
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
@@ -184,14 +85,17 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
                on_full: Optional[str] = None) -> Any:
     """Return `data` with every tensor and NumPy array leaf copied into page-locked
     memory, in one block of fastpin's arena, by its copy threads with the GIL
-    released. The structure comes back as it went in (see map_leaves); torch
-    tensors stay torch tensors and arrays stay arrays; tensors already pinned come
-    back unchanged; objects with a pin_memory() method are asked to pin
-    themselves. `device` ("cuda", "cuda:N", an int; DataLoader's pin thread passes
-    "cuda" with its device current) picks the GPU's default arena, whose frees wait
-    for that GPU's copies; None: the current GPU. The memory is pinned for every
-    GPU either way. Non-contiguous inputs come back contiguous
-    (dense permuted layouts such as channels_last keep their strides).
+    released. The structure comes back as it went in (see _walk.map_leaves); torch
+    tensors stay torch tensors and arrays stay arrays, subclasses and autograd as
+    torch.Tensor.pin_memory() gives them back (what fastpin cannot place in a block,
+    such as masked arrays, memmaps, sparse, nested and quantized tensors, goes the
+    ordinary way); tensors already pinned come back unchanged; objects with a
+    pin_memory() method are asked to pin themselves. `device` ("cuda", "cuda:N",
+    an int; DataLoader's pin thread passes "cuda" with its device current) picks
+    the GPU's default arena, whose frees wait for that GPU's copies; None: the
+    current GPU. The memory is pinned for every GPU either way. Non-contiguous
+    inputs come back contiguous (dense permuted layouts such as channels_last
+    keep their strides).
 
     The block is reused only after its tensors are gone and every GPU copy
     queued before that, on any stream of the device, has finished (a fence over
@@ -202,58 +106,20 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
 
     on_full overrides fastpin.configure(on_full=...) for this call: "fallback",
     "wait" or "raise" (see configure)."""
-    if not _graphs.watching:
+    if not _graphs.watching and cuda_available():
         _graphs.watch()
-    if on_full is not None and on_full not in ("fallback", "wait", "raise"):
+    if on_full is not None and on_full not in ON_FULL:
         raise ValueError(f"on_full must be 'fallback', 'wait' or 'raise', not {on_full!r}")
-    torch = sys.modules.get("torch")
-    tensor_type = torch.Tensor if torch is not None else ()
-
-    def is_leaf(x):
-        return (isinstance(x, (np.ndarray, tensor_type))
-                or (not isinstance(x, type) and hasattr(x, "pin_memory")))
-
-    leaves = []
-
-    def plan(x):
-        if isinstance(x, tensor_type):
-            leaves.append(_plan_tensor(x, torch))
-        elif isinstance(x, np.ndarray):
-            leaves.append(_plan_array(x))
-        else:
-            leaves.append(_Leaf(x, _CUSTOM))
-
-    map_leaves(data, is_leaf, plan)
-    pinned = [leaf for leaf in leaves if leaf.how in (_COPY, _GATHER)]
-    block, offsets = None, ()
-    if pinned:
+    spec, leaves = flatten(data, is_leaf)  # one walk: the rebuild uses this record
+    plan = Plan(leaves)
+    block = None
+    if plan.placed:
         arena = arena if arena is not None else default_arena(device)
         try:
-            block, offsets = _pin_with_policy(arena, [(leaf.source, leaf.nbytes) for leaf in pinned],
-                                              on_full or policy()["on_full"])
+            block = _pin_with_policy(arena, plan, on_full or str(_policy["on_full"]))
         except _Fallback:
-            for leaf in pinned:
-                leaf.how = _TORCH
-            pinned = []
-            _count(fallbacks=1)
-    results = iter(offsets)
-
-    def build(x):
-        leaf = next(leaves_iter)
-        if leaf.how in (_COPY, _GATHER):
-            offset = next(results)
-            if isinstance(leaf.obj, np.ndarray):
-                return _array_out(block, offset, leaf)
-            return _tensor_out(block, offset, leaf, torch)
-        if leaf.how == _TORCH:
-            if isinstance(leaf.obj, np.ndarray):
-                return leaf.obj.copy()
-            return _torch_pin(leaf.obj)
-        if leaf.how == _CUSTOM:
-            return leaf.obj.pin_memory()
-        return leaf.obj
-
-    leaves_iter = iter(leaves)
-    out = map_leaves(data, is_leaf, build)
-    _count(batches=1, leaves=len(pinned), nbytes=sum(leaf.nbytes for leaf in pinned))
+            _count(batches=1, fallbacks=1)
+            return unflatten(spec, plan.ordinary())
+    out = unflatten(spec, plan.host(block))
+    _count(batches=1, leaves=plan.placed, nbytes=plan.data_bytes)
     return out

@@ -35,7 +35,6 @@ died before its batch arrived are reclaimed at the end of the epoch.
 from __future__ import annotations
 
 import logging
-import math
 import mmap
 import os
 import select
@@ -56,12 +55,10 @@ from torch.utils.data._utils.collate import (
 )
 
 from . import _C
-from ._collate import stackable
-from ._dtypes import torch_carrier
-from ._pin import _contiguous_strides
-from ._walk import map_leaves
+from . import _leaves
+from ._leaves import Plan, Stack, stackable
+from ._walk import flatten, map_leaves, unflatten
 
-_GRANULE = _C.GRANULE
 log = logging.getLogger("fastpin")
 
 # The arenas this process made whose blocks may arrive here, by token. A
@@ -94,13 +91,8 @@ def register(arena: _C.Arena) -> None:
 
 # ---- the worker side ---------------------------------------------------------
 
-class _Stack:
-    """Placeholder for a stacked tensor: the samples, stacked later into the block."""
-
-    __slots__ = ("samples",)
-
-    def __init__(self, samples):
-        self.samples = samples
+# Placeholder for a stacked tensor: the samples, stacked later into the block.
+_Stack = Stack
 
 
 def _stack_later(batch, *, collate_fn_map=None):
@@ -112,10 +104,6 @@ def _stack_later(batch, *, collate_fn_map=None):
 _placeholder_map = {**default_collate_fn_map, torch.Tensor: _stack_later}
 
 
-def _is_leaf(x) -> bool:
-    return isinstance(x, (_Stack, torch.Tensor, np.ndarray))
-
-
 def _stack_now(tree):
     """The ordinary path for a tree of placeholders (the arena was full)."""
     return map_leaves(tree, lambda x: isinstance(x, _Stack),
@@ -123,77 +111,45 @@ def _stack_now(tree):
 
 
 class _Ref:
-    """Where a leaf lies in the block: offset, shape, strides (elements) and type."""
+    """Where a leaf lies in the block: its offset, its Layout (shape, strides,
+    dtype: a torch dtype, or a NumPy dtype object, so structured dtypes keep
+    their fields) and whether the tensor requires grad."""
 
-    __slots__ = ("offset", "shape", "strides", "dtype", "numpy")
+    __slots__ = ("offset", "layout", "requires_grad")
 
-    def __init__(self, offset, shape, strides, dtype, numpy):
-        self.offset, self.shape, self.strides = offset, shape, strides
-        self.dtype, self.numpy = dtype, numpy
+    def __init__(self, offset, layout, requires_grad=False):
+        self.offset, self.layout, self.requires_grad = offset, layout, requires_grad
 
     def __reduce__(self):
-        return (_Ref, (self.offset, self.shape, self.strides, self.dtype, self.numpy))
+        return (_Ref, (self.offset, self.layout, self.requires_grad))
+
+
+def _placeable(x) -> bool:
+    """Whether a worker's leaf can travel in the block; the rest is pickled the
+    ordinary way, unchanged: subclasses (masked arrays, memmaps, tensor
+    subclasses), nested, sparse and quantized tensors, object arrays, and
+    non-leaf tensors that require grad (which torch refuses to send)."""
+    if type(x) is torch.Tensor:
+        return not (x.requires_grad and x.grad_fn is not None)
+    return type(x) is np.ndarray or type(x) is Stack
 
 
 def _plan(tree):
-    """Where every tensor/array leaf of `tree` (placeholders stacked in place)
-    goes in one block: (sources for Arena.pin, what must live until the copy is
-    done, tree of _Ref, the block's bytes)."""
-    sources = []   # (address, nbytes) for Arena.pin, packed with align 1
-    keep = []      # contiguous copies made here, alive until the copy is done
-    refs = []
-    offset = 0
-
-    def add(t) -> None:
-        nonlocal offset
-        if not t.is_contiguous() or t.is_conj() or t.is_neg():
-            t = t.contiguous().resolve_conj().resolve_neg()
-            keep.append(t)
-        n = t.numel() * t.element_size()
-        sources.append((t.data_ptr() if n else 0, n))
-        offset += n
-
-    def pad() -> None:
-        nonlocal offset
-        gap = -offset % _GRANULE
-        if gap:
-            sources.append((0, gap))
-            offset += gap
-
-    def place(x):
-        nonlocal offset
-        start = offset
-        if isinstance(x, _Stack):
-            for sample in x.samples:
-                add(sample)
-            shape = (len(x.samples), *x.samples[0].shape)
-            ref = _Ref(start, shape, _contiguous_strides(shape), x.samples[0].dtype, False)
-        elif isinstance(x, torch.Tensor):
-            if x.device.type != "cpu" or x.layout != torch.strided or torch_carrier(x.dtype) is None:
-                return x  # travels the ordinary way
-            add(x)
-            ref = _Ref(start, tuple(x.shape), _contiguous_strides(x.shape), x.dtype, False)
-        else:
-            if x.dtype.hasobject:
-                return x
-            a = np.ascontiguousarray(x)
-            keep.append(a)
-            sources.append((a.ctypes.data if a.nbytes else 0, a.nbytes))
-            offset += a.nbytes
-            ref = _Ref(start, a.shape, _contiguous_strides(a.shape), a.dtype.str, True)
-        pad()
-        return ref
-
-    shipped = map_leaves(tree, _is_leaf, place)
-    return sources, keep, shipped, offset
+    """One walk of `tree` (placeholders stacked in place) and where its leaves
+    go in one block: (spec, leaves, plan). Workers never touch CUDA."""
+    spec, leaves = flatten(tree, _placeable)
+    return spec, leaves, Plan(leaves, keep_pinned=False)
 
 
 def _pack(tree, arena: _C.Arena):
-    """Copy every tensor/array leaf of `tree` into one new block of `arena`;
-    returns (block, tree of _Ref). Raises ArenaFullError."""
-    sources, keep, shipped, _ = _plan(tree)
-    block, _ = arena.pin(sources, 1)
-    return block, shipped
+    """Copy every tensor/array leaf of `tree` (placeholders stacked in place) into
+    one new block; returns (block, tree of _Ref). Raises ArenaFullError."""
+    spec, leaves, plan = _plan(tree)
+    block, _ = arena.pin(plan.sources, 1)
+    plan.fill(block)
+    refs = [x if layout is None else _Ref(offset, layout, getattr(x, "requires_grad", False))
+            for x, layout, offset in zip(leaves, plan.layouts, plan.offsets)]
+    return block, unflatten(spec, refs)
 
 
 class _Shipped:
@@ -421,7 +377,7 @@ class _WorkerCollate:
                 return _Shipped(arena.token, block.index, block.nbytes, shipped, block)
             if directory is None or asked:
                 break
-            need = _C.block_size(max(_plan(tree)[3], 1))
+            need = _C.block_size(max(_plan(tree)[2].nbytes, 1))
             if not directory.may_grow(need):
                 break
             asked = True
@@ -677,12 +633,8 @@ def dataloader_view(loader, collate_fn: Callable):
 # ---- the main process side ----------------------------------------------------
 
 def _leaf_out(block, ref: _Ref):
-    if ref.numpy:
-        dtype = np.dtype(ref.dtype)
-        return block.numpy(ref.offset, ref.shape, [s * dtype.itemsize for s in ref.strides], dtype)
-    (code, bits, lanes), view_as = torch_carrier(ref.dtype)
-    out = torch.from_dlpack(block.dlpack(ref.offset, ref.shape, ref.strides, code, bits, lanes))
-    return out.view(view_as) if view_as is not None else out
+    out = ref.layout.host(block, ref.offset)
+    return out.requires_grad_() if ref.requires_grad else out
 
 
 def adopted(batch: Any) -> Any:
@@ -707,35 +659,13 @@ def receive(batch: Any, consumer_stream: Any = None) -> tuple:
     return map_leaves(batch.tree, lambda x: isinstance(x, _Ref), lambda r: _leaf_out(block, r)), True
 
 
-_numpy_to_torch: dict = {}
-
-
-def _torch_dtype(ref: _Ref) -> Optional[torch.dtype]:
-    """The torch dtype a leaf becomes on the device; None: torch has none for it."""
-    if not ref.numpy:
-        return ref.dtype
-    if ref.dtype not in _numpy_to_torch:
-        try:
-            _numpy_to_torch[ref.dtype] = torch.from_numpy(np.empty(0, np.dtype(ref.dtype))).dtype
-        except TypeError:
-            _numpy_to_torch[ref.dtype] = None
-    return _numpy_to_torch[ref.dtype]
-
-
 def device_views(batch: "_Adopted", buffer: torch.Tensor) -> Optional[Any]:
     """The batch's tree with each leaf a view of `buffer`, a device tensor of the
     block's bytes that one copy fills; None when a leaf has a NumPy dtype torch
     does not know (the caller then takes the ordinary path, which says so)."""
-    unknown = False
-
-    def view(ref: _Ref) -> Optional[torch.Tensor]:
-        nonlocal unknown
-        dtype = _torch_dtype(ref)
-        if dtype is None:
-            unknown = True
-            return None
-        nbytes = math.prod(ref.shape) * dtype.itemsize
-        return buffer[ref.offset:ref.offset + nbytes].view(dtype).view(ref.shape)
-
-    tree = map_leaves(batch.tree, lambda x: isinstance(x, _Ref), view)
-    return None if unknown else tree
+    spec, refs = flatten(batch.tree, lambda x: isinstance(x, _Ref))
+    views = _leaves.device_views([(r.offset, r.layout) for r in refs], buffer)
+    if views is None:
+        return None
+    return unflatten(spec, [v.requires_grad_() if r.requires_grad else v
+                            for v, r in zip(views, refs)])

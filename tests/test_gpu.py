@@ -340,3 +340,25 @@ def test_zero_copy_device_mode_every_leaf_kind():
         del batch
     assert seen == len(dataset)
     assert loader.stats()["worker_fallbacks"] == 0
+
+
+def _grad_channels_last_collate(samples):
+    x = torch.stack([s["u8"] for s in samples]).unsqueeze(1).repeat(1, 3, 1, 1)  # N, 3, 5, 7
+    return {"cl": x.to(memory_format=torch.channels_last),
+            "w": torch.stack([s["f16"] for s in samples]).float().requires_grad_(),
+            "i": torch.tensor([s["i"] for s in samples])}
+
+
+def test_zero_copy_device_mode_channels_last_and_requires_grad():
+    """Device views keep a dense permuted layout's strides and requires_grad."""
+    from torch.utils.data import DataLoader
+
+    dataset = _MixedSamples()
+    dl = DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=_grad_channels_last_collate)
+    loader = fastpin.Loader(dl, device="cuda", zero_copy=True, capacity=32 * MB)
+    for batch in loader:
+        want = _grad_channels_last_collate([dataset[i] for i in batch["i"].cpu().tolist()])
+        assert batch["cl"].is_cuda and batch["cl"].is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(batch["cl"].cpu(), want["cl"])
+        assert batch["w"].requires_grad and torch.equal(batch["w"].detach().cpu(), want["w"].detach())
+    assert loader.stats()["worker_fallbacks"] == 0

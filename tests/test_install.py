@@ -229,3 +229,33 @@ def test_collate_in_workers_collates_like_default():
     loader = DataLoader(ds, batch_size=BATCH, num_workers=2, collate_fn=fastpin.collate)
     for out, ref in zip(loader, expected_batches(ds), strict=True):
         assert_batch(out, ref)
+
+
+def test_collate_ignores_on_full():
+    """fastpin.collate follows the on_full policy like pin_memory: with the
+    default arena full of live batches it falls back (stacks the ordinary
+    way, counted), waits, or raises, as configured."""
+    samples = [{"x": patterned((2, 3), torch.float32, i), "n": torch.tensor(i + 1)}
+               for i in range(4)]
+    ref = default_collate(samples)
+    arena = fastpin.default_arena()
+    hold = arena.alloc(arena.capacity)           # a cap full of live batches
+    try:
+        before = fastpin.stats()["fallbacks"]
+        out = fastpin.collate(samples)           # on_full="fallback", the default
+        assert fastpin.stats()["fallbacks"] > before
+        assert_same(out["x"], ref["x"])
+        assert_same(out["n"], ref["n"])
+        assert not in_arena(out["x"], arena)
+        fastpin.configure(on_full="raise")
+        with pytest.raises(fastpin.ArenaFullError):
+            fastpin.collate(samples)
+        fastpin.configure(on_full="wait", wait_timeout=0.1)
+        with pytest.raises(fastpin.ArenaFullError, match="waited"):
+            fastpin.collate(samples)
+    finally:
+        fastpin.configure(on_full="fallback", wait_timeout=10)
+        del hold
+    out = fastpin.collate(samples)
+    assert in_arena(out["x"], arena)
+    assert_same(out["x"], ref["x"])

@@ -145,3 +145,27 @@ def test_stats_fields():
     assert s["bytes"] == 64 * (15 * 8 + 8)
     assert s["consumer_wait_s"] >= 0 and s["host_to_pinned_gbps"] > 0
     assert s["pool_high_water"] > 0 and s["fallbacks"] == 0
+
+
+def test_device_copy_sources_by_leaf_type(tmp_path):
+    """What the Loader's copy to a device sends for each leaf type (the
+    handlers' device_source; the copy itself needs a GPU): CPU tensors
+    contiguous and resolved, arrays as tensors over their data (memmaps too),
+    object and masked arrays left as they are."""
+    import numpy as np
+    from fastpin import _leaves
+    from conftest import patterned
+
+    t = patterned((4, 6), torch.float32, 1)
+    assert _leaves.device_source(t) is t
+    nc = _leaves.device_source(t.t())
+    assert nc.is_contiguous() and torch.equal(nc, t.t())
+    c = patterned((3,), torch.complex64, 2).conj()
+    assert not _leaves.device_source(c).is_conj() and torch.equal(_leaves.device_source(c), c)
+    a = patterned((5, 2), np.int16, 3)[:, ::-1]
+    assert torch.equal(_leaves.device_source(a), torch.from_numpy(a.copy()))
+    mm = np.memmap(tmp_path / "m", dtype=np.int32, mode="w+", shape=(6,))
+    mm[:] = patterned((6,), np.int32, 4)
+    assert torch.equal(_leaves.device_source(mm), torch.from_numpy(np.array(mm)))
+    assert _leaves.device_source(np.array([object()], dtype=object)) is None
+    assert _leaves.device_source(np.ma.masked_array([1, 2], mask=[0, 1])) is None

@@ -513,3 +513,208 @@ def test_counters_count_batches_leaves_and_bytes(arena):
     assert after["leaves"] == before["leaves"] + 3
     assert after["bytes"] == before["bytes"] + 803
     assert set(after["arena"]) >= {"bytes_in_use", "high_water", "class_blocks"}
+
+
+# ---- deep nesting ---------------------------------------------------------------
+
+def test_map_leaves_recursion_error_at_depth_450(arena):
+    """Nesting as deep as torch's own pin_memory walker takes (one frame per
+    level for lists: about the recursion limit) pins, for every container kind;
+    map_leaves took about three frames a level and stopped near 330."""
+    import sys
+
+    from torch.utils.data._utils.pin_memory import pin_memory as torch_pin
+    from fastpin._walk import map_leaves
+
+    depth = torch_depth(torch_pin)
+    assert depth > sys.getrecursionlimit() // 2   # lists: one frame per level
+    for kind in ("list", "dict", "tuple", "dataclass"):
+        x = patterned((3,), torch.int32, 7)
+        batch = nest(depth, kind, x)
+        out = fastpin.pin_memory(batch, arena=arena)
+        inner = out
+        for _ in range(depth):
+            inner = unwrap(inner, kind)
+        assert_same(inner, x) and in_arena(inner, arena)
+        assert map_leaves(batch, lambda v: isinstance(v, torch.Tensor), lambda v: 5) is not None
+        del out, inner
+
+
+def torch_depth(walker) -> int:
+    """The deepest list nesting torch's walker takes here, found by trying."""
+    lo, hi = 1, 100_000
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            walker(nest_list(mid, "leaf"))
+            lo = mid
+        except RecursionError:
+            hi = mid - 1
+    return lo
+
+
+def nest_list(depth, x):
+    for _ in range(depth):
+        x = [x]
+    return x
+
+
+@dataclasses.dataclass
+class Box:
+    item: object
+
+
+def nest(depth, kind, x):
+    wrap = {"list": lambda v: [v], "dict": lambda v: {"k": v}, "tuple": lambda v: (v,),
+            "dataclass": Box}[kind]
+    for _ in range(depth):
+        x = wrap(x)
+    return x
+
+
+def unwrap(x, kind):
+    return {"list": lambda v: v[0], "dict": lambda v: v["k"], "tuple": lambda v: v[0],
+            "dataclass": lambda v: v.item}[kind](x)
+
+
+# ---- one walk ---------------------------------------------------------------------
+
+class Shuffling(Mapping):
+    """A read-only Mapping that iterates its keys in another order each time."""
+
+    def __init__(self, data):
+        self.data = dict(data)
+        self.turn = 0
+
+    def __getitem__(self, key):
+        return self.data[key]
+
+    def __len__(self):
+        return len(self.data)
+
+    def __iter__(self):
+        keys = list(self.data)
+        self.turn += 1
+        k = self.turn % len(keys)
+        return iter(keys[k:] + keys[:k])
+
+
+def test_mapping_that_reorders_gets_other_keys_data(arena):
+    batch = Shuffling({f"k{i}": patterned((4 + i,), torch.int32, i) for i in range(4)})
+    out = fastpin.pin_memory(batch, arena=arena)
+    assert set(out) == set(batch.data)
+    for key, value in batch.data.items():
+        assert_same(out[key], value)
+
+
+# ---- leaf types as torch gives them back -------------------------------------------
+
+class Tagged(torch.Tensor):
+    """A tensor subclass that keeps torch's default __torch_function__."""
+
+
+class Wrapping(torch.Tensor):
+    """A subclass with its own __torch_function__: fastpin leaves it to torch."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_masked_array_loses_its_mask(arena):
+    data = patterned((6,), np.float32, 1)
+    masked = np.ma.masked_array(data, mask=[True, False, True, False, False, True],
+                                fill_value=7.5)
+    out = fastpin.pin_memory({"m": masked}, arena=arena)["m"]
+    assert type(out) is np.ma.MaskedArray
+    assert out.mask.tolist() == masked.mask.tolist()
+    assert out.fill_value == masked.fill_value
+    assert out.sum() == masked.sum()                 # masked values stay out
+    assert out.data.tobytes() == data.tobytes()
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+def test_numpy_subclasses_lose_their_type(arena, tmp_path):
+    matrix = np.asmatrix(patterned((3, 4), np.int32, 2))
+    rec = np.rec.fromarrays([patterned((5,), np.int16, 3), patterned((5,), np.float64, 4)],
+                            names="a,b")
+    mm = np.memmap(tmp_path / "m.bin", dtype=np.int64, mode="w+", shape=(7,))
+    mm[:] = patterned((7,), np.int64, 5)
+    out = fastpin.pin_memory([matrix, rec, mm], arena=arena)
+    assert type(out[0]) is np.matrix and out[0].tobytes() == matrix.tobytes()
+    assert in_arena(out[0], arena)
+    assert type(out[1]) is np.recarray and out[1].dtype == rec.dtype
+    assert out[1].b.tobytes() == rec.b.tobytes() and out[1].a.tolist() == rec.a.tolist()
+    assert in_arena(out[1], arena)
+    assert type(out[2]) is np.memmap and out[2].tobytes() == mm.tobytes()
+
+
+def test_structured_dtype_keeps_its_fields(arena):
+    dt = np.dtype([("x", np.int32), ("y", np.float64)])
+    a = patterned((4,), dt, 6)
+    out = fastpin.pin_memory(a, arena=arena)
+    assert out.dtype == dt and out.dtype.names == ("x", "y")
+    assert out.tobytes() == a.tobytes()
+
+
+def test_tensor_subclasses_lose_their_type(arena):
+    tagged = patterned((4, 3), torch.float32, 7).as_subclass(Tagged)
+    wrapping = patterned((5,), torch.int64, 8).as_subclass(Wrapping)
+    param = torch.nn.Parameter(patterned((2, 2), torch.float32, 9).nan_to_num(0.5))
+    out = fastpin.pin_memory({"t": tagged, "w": wrapping, "p": param}, arena=arena)
+    # torch.Tensor.pin_memory() keeps the type where __torch_function__ converts
+    # (the default), and gives a plain tensor for Parameter (conversion disabled).
+    assert type(out["t"]) is Tagged and in_arena(out["t"], arena)
+    assert tensor_bytes(out["t"].as_subclass(torch.Tensor)) == \
+        tensor_bytes(tagged.as_subclass(torch.Tensor))
+    assert type(out["w"]) is Wrapping
+    assert torch.equal(out["w"].as_subclass(torch.Tensor), wrapping.as_subclass(torch.Tensor))
+    assert type(out["p"]) is torch.Tensor and torch.equal(out["p"].detach(), param.detach())
+
+
+def test_requires_grad_outputs_lose_grad_fn(arena):
+    w = patterned((3, 4), torch.float32, 1).nan_to_num(0.5).requires_grad_()
+    nc = patterned((4, 3), torch.float32, 2).nan_to_num(0.5).t().requires_grad_()  # gathered
+    out = fastpin.pin_memory([w, nc], arena=arena)
+    for o, x in zip(out, (w, nc)):
+        assert o.requires_grad and o.grad_fn is not None and not o.is_leaf   # as torch's
+        assert in_arena(o, arena)
+        assert torch.equal(o.detach(), x.detach())
+    weights = patterned((3, 4), torch.float32, 3).nan_to_num(0.25)
+    ((out[0] * weights).sum() + out[1].sum()).backward()
+    assert torch.equal(w.grad, weights)              # the gradient reaches the input
+    assert torch.equal(nc.grad, torch.ones_like(nc))
+    with torch.no_grad():                            # torch: no graph, no requires_grad
+        assert not fastpin.pin_memory(w, arena=arena).requires_grad
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+def test_subclasses_and_grad_kept_on_the_ordinary_path(small_arena):
+    hold = small_arena.alloc(small_arena.capacity)       # full: every batch falls back
+    tagged = patterned((4, 3), torch.float32, 7).as_subclass(Tagged)
+    w = patterned((3, 4), torch.float32, 1).nan_to_num(0.5).requires_grad_()
+    matrix = np.asmatrix(patterned((3, 4), np.int32, 2))
+    out = fastpin.pin_memory([tagged, w, matrix], arena=small_arena, on_full="fallback")
+    assert type(out[0]) is Tagged
+    assert out[1].requires_grad and out[1].grad_fn is not None
+    assert type(out[2]) is np.matrix and out[2].tobytes() == matrix.tobytes()
+    del hold
+
+
+def test_flat_batches_rebuild_as_they_came(arena):
+    """The one-level dict/list/tuple fast path keeps keys (any hashable, in
+    order), types and every leaf."""
+    key = torch.tensor([1])                           # a key whose == is elementwise
+    batch = {"b": patterned((3,), torch.int8, 1), 2: patterned((2,), np.int16, 2),
+             key: patterned((4,), torch.float64, 3)}
+    out = fastpin.pin_memory(batch, arena=arena)
+    assert type(out) is dict and list(out) == list(batch)
+    for k in batch:
+        assert_same(out[k], batch[k]) and in_arena(out[k], arena)
+    for kind in (list, tuple):
+        seq = kind([patterned((5,), torch.int32, 4), patterned((1,), np.uint8, 5)])
+        out = fastpin.pin_memory(seq, arena=arena)
+        assert type(out) is kind and len(out) == 2
+        for o, i in zip(out, seq):
+            assert_same(o, i)
+    assert fastpin.pin_memory({}, arena=arena) == {} and fastpin.pin_memory((), arena=arena) == ()

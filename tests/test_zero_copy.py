@@ -192,3 +192,118 @@ def test_batches_outlive_the_loader():
     check(batches, arena, 24)
     del batches
     assert blocks_settle(arena) == 0
+
+
+# ---- leaves rebuilt as they were collated -----------------------------------------
+
+POINT = np.dtype([("x", np.int32), ("y", np.float64)])
+
+
+def point_samples(i):
+    return np.array([(i, i + 0.5), (-i, i * 2.25)], dtype=POINT)
+
+
+def collate_points(samples):
+    return {"points": np.concatenate([s["points"] for s in samples]),
+            "masked": np.ma.masked_array([s["label"] for s in samples],
+                                         mask=[s["label"] % 2 == 0 for s in samples]),
+            "img": torch.stack([s["img"] for s in samples])}
+
+
+class Points(Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return {"points": point_samples(i), "label": i, "img": expected(i)}
+
+
+def test_zero_copy_structured_dtype_comes_back_as_void():
+    dl = DataLoader(Points(), batch_size=6, num_workers=2, collate_fn=collate_points)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=4 * MB)
+    for k, batch in enumerate(loader):
+        ids = range(6 * k, 6 * k + 6)
+        assert batch["points"].dtype == POINT
+        assert batch["points"].tobytes() == np.concatenate([point_samples(i) for i in ids]).tobytes()
+        assert type(batch["masked"]) is np.ma.MaskedArray
+        assert batch["masked"].mask.tolist() == [i % 2 == 0 for i in ids]
+        assert inside(batch["img"], loader.arena)
+    assert k == 3
+
+
+def collate_nested(samples):
+    return {"ragged": torch.nested.nested_tensor([torch.arange(s["label"] % 5 + 1) for s in samples]),
+            "img": torch.stack([s["img"] for s in samples])}
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+def test_zero_copy_nested_tensor_fails_with_sizes_error():
+    dl = DataLoader(Images(24), batch_size=6, num_workers=2, collate_fn=collate_nested)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=4 * MB)
+    for k, batch in enumerate(loader):
+        ragged = batch["ragged"].unbind()
+        assert [r.tolist() for r in ragged] == [list(range(i % 5 + 1)) for i in range(6 * k, 6 * k + 6)]
+        assert inside(batch["img"], loader.arena)
+    assert k == 3
+
+
+def collate_grad(samples):
+    return (torch.stack([s["feat"] for s in samples]).requires_grad_(),
+            torch.stack([s["img"] for s in samples]))
+
+
+def test_zero_copy_loses_requires_grad():
+    dl = DataLoader(Images(24), batch_size=6, num_workers=2, collate_fn=collate_grad)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=4 * MB)
+    for feat, img in loader:
+        assert feat.requires_grad and not img.requires_grad
+        assert inside(feat, loader.arena)
+
+
+def collate_channels_last(samples):
+    return {"img": torch.stack([s["img"] for s in samples]).to(memory_format=torch.channels_last),
+            "label": torch.tensor([s["label"] for s in samples])}
+
+
+def test_zero_copy_channels_last_keeps_strides():
+    dl = DataLoader(Images(24), batch_size=6, num_workers=2, collate_fn=collate_channels_last)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=4 * MB)
+    for batch in loader:
+        img = batch["img"]
+        assert img.is_contiguous(memory_format=torch.channels_last) and inside(img, loader.arena)
+        for x, i in zip(img, batch["label"].tolist()):
+            assert torch.equal(x, expected(i))
+
+
+def test_device_views_match_host_views():
+    """Device mode's views of one copied block (here over a CPU tensor of the
+    block's bytes) read what the host views read: contiguous and channels_last
+    tensors, NumPy leaves, sub-word dtypes, requires_grad."""
+    from fastpin import _leaves
+    from fastpin._walk import flatten
+
+    arena = _C.Arena(4 * MB, cuda=False)
+    g = torch.Generator().manual_seed(3)
+    leaves = [torch.randint(0, 256, (2, 3, 5, 4), dtype=torch.uint8, generator=g)
+              .to(memory_format=torch.channels_last),
+              torch.randn(7, 3, generator=g).requires_grad_(),
+              np.arange(11, dtype=np.int16) * 3 - 7,
+              torch.rand(9, generator=g) > 0.5,
+              torch.randn(3, 4, generator=g, dtype=torch.float64).t()]
+    plan = _leaves.Plan(leaves, keep_pinned=False)
+    block, _ = arena.pin(plan.sources, 1)
+    plan.fill(block)
+    refs = [(offset, layout) for offset, layout in zip(plan.offsets, plan.layouts)]
+    buffer = torch.from_dlpack(block.dlpack(0, (block.nbytes,), (1,), 1, 8, 1))
+    views = _leaves.device_views(refs, buffer)
+    for x, view, (offset, layout) in zip(leaves, views, refs):
+        host = layout.host(block, offset)
+        want = torch.from_numpy(x) if isinstance(x, np.ndarray) else x.detach()
+        assert view.dtype == want.dtype and view.shape == want.shape
+        assert view.stride() == (host.stride() if isinstance(host, torch.Tensor)
+                                 else tuple(s // x.itemsize for s in host.strides))
+        assert torch.equal(view, want)
+    assert views[0].is_contiguous(memory_format=torch.channels_last)
+    del views, buffer, block
+    gc.collect()
+    assert arena.is_valid()

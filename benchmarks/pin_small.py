@@ -1,0 +1,63 @@
+"""Per-call cost of fastpin.pin_memory on small batches against a plain copy
+(torch.empty_like(x).copy_(x)), on the CPU: the Python layer's share per batch
+and per leaf (issue 14's targets: at most 1.3x at 64 KB, each extra leaf at
+most 1.5 us). Median of many calls, one process.
+
+    python benchmarks/pin_small.py [--calls N]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import fastpin
+
+
+def median_us(fn, calls: int) -> float:
+    for _ in range(min(200, calls)):
+        fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times) / 1e3
+
+
+def copy_batch(batch):
+    if isinstance(batch, dict):
+        return {k: torch.empty_like(v).copy_(v) for k, v in batch.items()}
+    return torch.empty_like(batch).copy_(batch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=5000)
+    args = parser.parse_args()
+    arena = fastpin.default_arena()
+    cases = [
+        ("1 tensor, 4 KB", torch.arange(1024, dtype=torch.float32)),
+        ("1 tensor, 64 KB", torch.arange(16384, dtype=torch.float32)),
+        ("1 tensor, 1 MB", torch.arange(262144, dtype=torch.float32)),
+        ("dict of 8 x 8 KB", {f"k{i}": torch.arange(2048, dtype=torch.float32) + i
+                              for i in range(8)}),
+        ("dict of 1 x 8 KB", {"k0": torch.arange(2048, dtype=torch.float32)}),
+    ]
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"arena {arena.capacity >> 20} MB, {args.calls} calls each, median")
+    print(f"{'case':<20} {'copy us':>9} {'fastpin us':>11} {'ratio':>7}")
+    results = {}
+    for name, batch in cases:
+        base = median_us(lambda: copy_batch(batch), args.calls)
+        fast = median_us(lambda: fastpin.pin_memory(batch), args.calls)
+        results[name] = fast
+        print(f"{name:<20} {base:9.2f} {fast:11.2f} {fast / base:7.2f}x")
+    per_leaf = (results["dict of 8 x 8 KB"] - results["dict of 1 x 8 KB"]) / 7
+    print(f"each extra 8 KB leaf: {per_leaf:.2f} us")
+
+
+if __name__ == "__main__":
+    main()
