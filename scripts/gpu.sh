@@ -26,7 +26,9 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max
 nproc
 python3 -c 'import torch, numpy; print("torch", torch.__version__, "numpy", numpy.__version__)'
 status=0
-step() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
+# Every step has a time limit (STEP_TIMEOUT seconds, default 900), so one hang
+# does not eat the call; steps that set their own `timeout` get the smaller.
+step() { echo "== $* (${SECONDS}s)"; timeout "${STEP_TIMEOUT:-900}" "$@" || { echo "!! failed ($?): $*"; status=1; }; }
 step env FASTPIN_WERROR=1 python3 setup.py -q build_ext --inplace
 if [ "$what" = test ] && [ $# -gt 0 ]; then
     step python3 -m pytest -q -p no:cacheprovider "$@"
