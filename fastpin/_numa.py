@@ -222,7 +222,7 @@ def _set_pool_affinity(cpus) -> bool:
         _C.set_affinity(cpus)
         return True
     except (ValueError, OSError) as e:
-        log.warning("fastpin: could not pin the copy threads to CPUs %s: %s", cpus, e)
+        log.warning("fastpin: could not pin the copy threads to CPUs %s: %s", cpus, str(e))
         return False
 
 

@@ -63,7 +63,7 @@ def _pin_with_policy(arena, plan, on_full: str):
             if on_full == "fallback":  # the first one slows the user down: say so, once
                 log.log(logging.DEBUG if _counters["fallbacks"] else logging.WARNING,
                         "fastpin: %s; pinning this batch the ordinary way (slower; later ones "
-                        "are logged at DEBUG)", e)
+                        "are logged at DEBUG)", str(e))  # not e: its traceback holds the batch
                 raise _Fallback from None
             if on_full == "raise":
                 raise

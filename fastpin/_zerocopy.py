@@ -548,7 +548,7 @@ class Pool:
             except (_C.FastpinError, OSError) as e:
                 log.warning("fastpin.Loader(zero_copy=True): could not add %d bytes to the shared "
                             "arena (%s); it stays at %d bytes, and batches that do not fit are "
-                            "pinned by copy", add, e, have)
+                            "pinned by copy", add, str(e), have)
                 self._cap_reached()
                 return
             self._add(arena)

@@ -29,3 +29,28 @@ def test_the_first_full_arena_fallback_warns_and_later_ones_are_debug(small_aren
     assert "arena" in records[0].getMessage() and "slower" in records[0].getMessage()
     del held, first, second
     small_arena.collect()
+
+
+def test_fallback_log_record_keeps_the_batch_alive(small_arena, caplog, monkeypatch):
+    # Bug: the WARNING's record held the ArenaFullError itself, whose traceback
+    # holds the frames of pin_memory (the batch, and up the stack a Loader with
+    # its shared arena): as long as a log handler kept the record (pytest's
+    # capture, a MemoryHandler), none of them could be freed.
+    import gc
+    import weakref
+
+    import torch
+
+    monkeypatch.setitem(_pin._counters, "fallbacks", 0)
+    caplog.set_level(logging.DEBUG, logger="fastpin")
+    held = fastpin.pin_memory(torch.arange(10 << 10, dtype=torch.int32), arena=small_arena)
+    src = torch.arange(12 << 10, dtype=torch.int32) + 7
+    gone = weakref.ref(src)
+    out = fastpin.pin_memory(src, arena=small_arena)     # no room: the ordinary way
+    assert torch.equal(out, src)
+    assert any("ordinary way" in r.getMessage() for r in caplog.records)
+    del src, out
+    gc.collect()
+    assert gone() is None, "the log record keeps the batch alive"
+    del held
+    small_arena.collect()
