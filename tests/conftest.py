@@ -90,6 +90,23 @@ def patterned(shape, dtype, seed: int = 0):
     return raw.reshape(-1).view(dtype).reshape(shape)
 
 
+_cycles_per_ms = None
+
+
+def sleep_cycles(ms) -> int:
+    """Cycles of torch.cuda._sleep that take about `ms` on this GPU (measured
+    once): the kernel the GPU tests queue to keep a stream busy."""
+    global _cycles_per_ms
+    if _cycles_per_ms is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(50_000_000)
+        end.record()
+        end.synchronize()
+        _cycles_per_ms = 50_000_000 / start.elapsed_time(end)
+    return int(_cycles_per_ms * ms)
+
+
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """The bytes of a tensor's elements in logical (row-major) order."""
     if t.is_conj() or t.is_neg():

@@ -6,6 +6,7 @@ import torch
 
 import fastpin
 from fastpin import _C
+from conftest import sleep_cycles
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,22 +20,6 @@ MB = 1 << 20
 def patterned(nbytes, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-
-
-_cycles_per_ms = None
-
-
-def sleep_cycles(ms):
-    """Cycles of torch.cuda._sleep that take about `ms` on this GPU (measured once)."""
-    global _cycles_per_ms
-    if _cycles_per_ms is None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(50_000_000)
-        end.record()
-        end.synchronize()
-        _cycles_per_ms = 50_000_000 / start.elapsed_time(end)
-    return int(_cycles_per_ms * ms)
 
 
 def test_results_are_page_locked():

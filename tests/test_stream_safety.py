@@ -24,6 +24,8 @@ import torch
 
 import fastpin
 from fastpin import _C
+from conftest import patterned as patterned_tensor
+from conftest import sleep_cycles
 
 MB = 1 << 20
 no_gpu = pytest.mark.skipif(not (fastpin.cuda_available() and torch.cuda.is_available()),
@@ -32,24 +34,12 @@ needs_gpu = [pytest.mark.gpu, no_gpu]
 
 
 def patterned(nbytes, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-
-
-_cycles_per_ms = None
+    return patterned_tensor((nbytes,), torch.uint8, seed)
 
 
 def sleep_ms(ms):
     """Queue a kernel of about `ms` milliseconds on the current stream."""
-    global _cycles_per_ms
-    if _cycles_per_ms is None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(50_000_000)
-        end.record()
-        end.synchronize()
-        _cycles_per_ms = 50_000_000 / start.elapsed_time(end)
-    torch.cuda._sleep(int(_cycles_per_ms * ms))
+    torch.cuda._sleep(sleep_cycles(ms))
 
 
 def race(pin, stream, reps=20, nbytes=4 * MB, kernel_ms=10):
