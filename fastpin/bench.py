@@ -3,7 +3,7 @@ batches shaped like real workloads.
 
 Cases (--case, repeatable; default: all of them):
 
-  pin_sizes     pin_memory of one batch of 1, 16, 256 MiB: the machine's memcpy
+  pin_sizes     pin_memory of one batch of 64 KiB to 256 MiB: the machine's memcpy
                 rates, torch's pinning with 1 and N threads, fastpin.pin_memory
   train_step    a training step with compute C and transfer T (C < T, C > T):
                 stock .to(), the timm/Apex prefetcher, fastpin.Loader (GPU only)
@@ -1466,8 +1466,8 @@ def machine() -> dict:
 
 # What each micro case measures (python -m fastpin.bench --list).
 _MICRO_WHAT = {
-    "pin_sizes": "pin_memory of one batch of 1, 16, 256 MiB (--sizes): the machine's memcpy "
-                 "rates, torch's pinning with 1 and N threads, fastpin.pin_memory",
+    "pin_sizes": "pin_memory of one batch of 64 KiB, 256 KiB, 1, 16, 256 MiB (--sizes): "
+                 "the machine's memcpy rates, torch's pinning with 1 and N threads, fastpin.pin_memory",
     "train_step": "a training step with compute C and transfer T (C < T, C > T): stock .to(), "
                   "the timm/Apex prefetcher, fastpin.Loader (GPU only)",
     "loader_images": "DataLoader delivered GB/s over uint8 and float32 images, batch 256: "
@@ -1599,7 +1599,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="a short run: a few batches per path, smaller micro tables")
     parser.add_argument("--sizes", type=float, nargs="+",
-                        help="pin_sizes: batch sizes in MiB (default: 1 16 256)")
+                        help="pin_sizes: batch sizes in MiB (default: 0.0625 0.25 1 16 256)")
     parser.add_argument("--seconds", type=float,
                         help="pin_sizes: least time spent timing each cell (default: 0.5)")
     parser.add_argument("--hang-report", type=float, default=300.0, metavar="SECONDS",
@@ -1673,7 +1673,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     names = list(CASE_NAMES) if not args.case or "all" in args.case else \
         [n for n in CASE_NAMES if n in args.case]
     quick = args.quick
-    sizes = args.sizes or ([1, 16] if quick else [1, 16, 256])
+    sizes = args.sizes or ([0.0625, 1, 16] if quick else [0.0625, 0.25, 1, 16, 256])
     seconds = args.seconds if args.seconds is not None else (0.1 if quick else 0.5)
     warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
     workers = args.workers or [max(1, cpus - 1)]
