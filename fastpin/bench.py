@@ -592,6 +592,8 @@ class Row:
     gbps: Optional[float] = None           # delivered GB/s (1e9 bytes)
     step_ms: Optional[float] = None        # wall time per step, compute included
     cpu_ms: Optional[float] = None         # main-process CPU time per batch
+    cpu_s_per_gb: Optional[float] = None   # CPU-seconds per GB delivered, the main
+                                           # process and its worker processes together
     pinned_mb: Optional[float] = None      # page-locked memory held by the path, MiB
     pool_peak_mb: Optional[float] = None   # peak of it in use (fastpin's arenas only)
     first_batch_s: Optional[float] = None  # loader made -> first batch ready
@@ -607,6 +609,37 @@ class Row:
         return self.status == "ok"
 
 
+def _children_cpu(since: Optional[dict] = None):
+    """CPU seconds of this process's live child processes (DataLoader workers):
+    with `since` (an earlier call's result), the seconds they used after it, a
+    child that started later counted from zero; without, {pid: seconds} now.
+    Read from /proc; children that ended in between are not counted (their
+    epoch outlives the timed window, so none of the workers' do)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    now: dict = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0 if since is not None else now
+    pids: set = set()
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids.update(int(p) for p in f.read().split())
+        except OSError:
+            continue
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        now[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    if since is None:
+        return now
+    return sum(seconds - since.get(pid, 0.0) for pid, seconds in now.items())
+
+
 def _grouped(rows: Iterable[Row], key: Callable[[Row], str] = lambda r: r.label) -> list:
     """[(status: reason, [keys of the rows with it])], in first-seen order."""
     groups: dict = {}
@@ -619,6 +652,7 @@ _METRICS = {
     "gbps": "delivered GB/s",
     "step_ms": "step ms",
     "cpu_ms": "main CPU ms/batch",
+    "cpu_s_per_gb": "CPU s/GB (main + workers)",
     "first_batch_s": "first batch s",
     "pinned_mb": "pinned MiB held",
 }
@@ -684,12 +718,12 @@ class Results:
         vs = f"x {base.label}" if base else "x baseline"
         lines = [
             f"| path | batches timed | GB/s | {vs} | step ms | main CPU ms/batch | "
-            "pinned MiB held (peak used) | first batch s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "CPU s/GB (main + workers) | pinned MiB held (peak used) | first batch s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in self.rows:
             if not r.ok:
-                lines.append(f"| {r.label} | | {r.status} | | | | | |")
+                lines.append(f"| {r.label} | | {r.status} | | | | | | |")
                 continue
             ratio = f"{r.gbps / base.gbps:.2f}x" if base and r.gbps is not None else "-"
             pinned = "-" if r.pinned_mb is None else f"{r.pinned_mb:.0f}"
@@ -698,7 +732,8 @@ class Results:
             few = " (too few)" if _too_few(r) else ""
             lines.append(
                 f"| {r.label} | {r.batches}{few} | {_num(r.gbps)} | {ratio} | {_num(r.step_ms)} | "
-                f"{_num(r.cpu_ms, 3)} | {pinned} | {_num(r.first_batch_s, 3)} |")
+                f"{_num(r.cpu_ms, 3)} | {_num(r.cpu_s_per_gb, 3)} | {pinned} | "
+                f"{_num(r.first_batch_s, 3)} |")
         return "\n".join(lines)
 
     def header(self) -> str:
@@ -1016,7 +1051,7 @@ def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optiona
             return row
         sync()
         n = nbytes = 0
-        t1, c1 = time.perf_counter(), time.process_time()
+        t1, c1, w1 = time.perf_counter(), time.process_time(), _children_cpu()
         largest = 0
         for batch in feed:
             size = batch_nbytes(batch)
@@ -1031,6 +1066,7 @@ def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optiona
         batch = None
         sync()
         wall, cpu = time.perf_counter() - t1, time.process_time() - c1
+        workers_cpu = _children_cpu(w1)
         if n == 0:
             row.status, row.reason = "failed", "the loader ran out after the warm-up"
             return row
@@ -1041,6 +1077,8 @@ def _run_path(path: str, factory: Callable[[bool], Iterable], *, target: Optiona
         row.gbps = nbytes / wall / 1e9
         row.step_ms = wall / n * 1e3
         row.cpu_ms = cpu / n * 1e3
+        if nbytes:
+            row.cpu_s_per_gb = (cpu + workers_cpu) / (nbytes / 1e9)
         if n < batches and not _out_of_time(t1, n, max_seconds):
             row.reason = f"the loader ran out after {n} of {batches} batches"
         if arena is None:   # torch's paths: its pinned cache, as the path left it
