@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -17,7 +18,6 @@ import torch
 import fastpin
 from fastpin import _C, _arena
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX = _C.MAX_CAPACITY
 # Every test here has a time limit: a hang fails it instead of stalling the run.
 pytestmark = pytest.mark.timeout(60)
@@ -84,10 +84,18 @@ def test_configure_accepts_good_settings():
 
 # ---- environment variables, at import ---------------------------------------------
 
+# The fastpin this process imported (the installed one under `make test`, the
+# source tree built in place otherwise): the child imports the same one, from a
+# directory that holds no other.
+FASTPIN_HOME = os.path.dirname(os.path.dirname(os.path.abspath(fastpin.__file__)))
+
+
 def import_with(**env):
-    full = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    full = dict(os.environ, PYTHONPATH=FASTPIN_HOME + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                **env)
     return subprocess.run([sys.executable, "-c", "import fastpin; print(fastpin._arena.get_capacity())"],
-                          cwd=HERE, env=full, capture_output=True, text=True, timeout=60)
+                          cwd=tempfile.gettempdir(), env=full, capture_output=True, text=True,
+                          timeout=60)
 
 
 BAD_ENV = [
