@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -31,7 +32,10 @@ from conftest import patterned
 
 MARGIN = 1.0  # seconds a fastpin exit may take beyond the plain DataLoader's (a shared, slow machine)
 SLOW = 0.4    # seconds per sample of the slow source
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The fastpin this process imported (the installed one under `make test`, the
+# source tree built in place otherwise): child processes import the same one,
+# from a directory that holds no other.
+FASTPIN_HOME = os.path.dirname(os.path.dirname(os.path.abspath(fastpin.__file__)))
 # Every test here has a time limit: a hang fails it instead of stalling the run.
 pytestmark = pytest.mark.timeout(60)
 
@@ -333,9 +337,9 @@ print("T0", time.time(), flush=True)
 def run_to_exit(mode, kind):
     """Seconds from the script's last line to the end of its process, and the
     pids of its DataLoader workers."""
-    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=FASTPIN_HOME + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-c", EXIT_SCRIPT % {"slow": SLOW}, mode, kind],
-                            cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=tempfile.gettempdir(), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     pids, t0 = [], None
     try:
