@@ -294,10 +294,11 @@ int fp_cuda_fence(fp_cu_context_t ctx, fp_cu_event_t event, uint64_t *ticket)
         if (r == FP_CUDA_SUCCESS)
             fence = FP_FENCE_RECORDED;
         else if (r != FP_CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
-            /* A capture fastpin was not told of comes back here, deferred;
-             * any other failure gets a ticket rather than nothing. */
-            fence = fp_cuda_ticket(ctx, ticket) ? FP_FENCE_TICKET
-                                                 : fp_cuda_fence_legacy(ctx, event);
+            /* A capture fastpin was not told of comes back here, deferred.
+             * Any other failure means a failed or torn-down context (at
+             * interpreter exit, say), which runs no more copies: the legacy
+             * stream's event, if even that can be had, and no thread. */
+            fence = fp_cuda_fence_legacy(ctx, event);
     }
     pthread_rwlock_unlock(&fp_capture_lock);
     return fence;
