@@ -1082,24 +1082,13 @@ static void fp_return_push(fp_arena_meta_t *m, uint32_t b, uint32_t armed)
     } while (!fp_atomic_cas_weak_release(&m->returned, &head, b));
 }
 
-/* The block's event on one stream: for blocks only fastpin's copies read. */
-static uint32_t fp_arena_record(fp_arena_t *a, uint32_t b, fp_cu_stream_t stream)
-{
-    if (fp_cuda.cuCtxPushCurrent(a->ctx) != FP_CUDA_SUCCESS)
-        return FP_FENCE_NONE;
-    fp_cu_result_t r = fp_cuda.cuEventRecord(a->events[b], stream);
-    fp_cu_context_t popped;
-    FP_CU_IGNORE(cuCtxPopCurrent(&popped));
-    return r == FP_CUDA_SUCCESS ? FP_FENCE_RECORDED : FP_FENCE_NONE;
-}
-
 void fp_arena_free(fp_arena_t *a, uint32_t b, fp_cu_stream_t consumer)
 {
     uint32_t armed = FP_FENCE_NONE;
     if (consumer && fp_arena_cuda(a))
         armed = consumer == FP_STREAM_ANY
                     ? (uint32_t)fp_cuda_fence(a->ctx, a->events[b], &a->tickets[b])
-                    : fp_arena_record(a, b, consumer);
+                    : (uint32_t)fp_cuda_record(a->ctx, a->events[b], consumer);
     fp_return_push(a->meta, b, armed);
 }
 

@@ -269,17 +269,22 @@ void fp_cuda_ticket_wait(fp_cu_context_t ctx, uint64_t ticket)
 
 const char *fp_cuda_fence_kind(void) { return fp_cuda.cuCtxRecordEvent ? "event" : "sync"; }
 
+int fp_cuda_record(fp_cu_context_t ctx, fp_cu_event_t event, fp_cu_stream_t stream)
+{
+    if (fp_cuda.cuCtxPushCurrent(ctx) != FP_CUDA_SUCCESS)
+        return FP_FENCE_NONE;
+    fp_cu_result_t r = fp_cuda.cuEventRecord(event, stream);
+    fp_cu_context_t popped;
+    FP_CU_IGNORE(cuCtxPopCurrent(&popped));
+    return r == FP_CUDA_SUCCESS ? FP_FENCE_RECORDED : FP_FENCE_NONE;
+}
+
 /* The legacy default stream: torch's default stream and every blocking
  * stream, not the non-blocking ones torch hands out for side streams. The
  * last resort, when neither a context event nor a ticket can be had. */
 static int fp_cuda_fence_legacy(fp_cu_context_t ctx, fp_cu_event_t event)
 {
-    if (fp_cuda.cuCtxPushCurrent(ctx) != FP_CUDA_SUCCESS)
-        return FP_FENCE_NONE;
-    fp_cu_result_t r = fp_cuda.cuEventRecord(event, FP_CU_STREAM_LEGACY);
-    fp_cu_context_t popped;
-    FP_CU_IGNORE(cuCtxPopCurrent(&popped));
-    return r == FP_CUDA_SUCCESS ? FP_FENCE_RECORDED : FP_FENCE_NONE;
+    return fp_cuda_record(ctx, event, FP_CU_STREAM_LEGACY);
 }
 
 int fp_cuda_fence(fp_cu_context_t ctx, fp_cu_event_t event, uint64_t *ticket)

@@ -191,6 +191,9 @@ void fp_cuda_context_release(int ordinal);
  * takes the ticket path on any driver (for tests). */
 enum { FP_FENCE_NONE = 0, FP_FENCE_RECORDED = 1, FP_FENCE_DEFERRED = 2, FP_FENCE_TICKET = 3 };
 int fp_cuda_fence(fp_cu_context_t ctx, fp_cu_event_t event, uint64_t *ticket);
+/* `event` recorded on one stream of `ctx`: FP_FENCE_RECORDED, or FP_FENCE_NONE
+ * when the driver refuses (for blocks only fastpin's own copies read). */
+int fp_cuda_record(fp_cu_context_t ctx, fp_cu_event_t event, fp_cu_stream_t stream);
 /* Whether every ticket up to `ticket` of `ctx` is done; fp_cuda_ticket_wait
  * blocks until it is (never with the GIL held). */
 int fp_cuda_ticket_done(fp_cu_context_t ctx, uint64_t ticket);
