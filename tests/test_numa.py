@@ -309,6 +309,9 @@ def pool():
     """A pool of 3 (two threads); afterwards: unpinned, the default size, no placement."""
     _C.set_threads(3)
     assert _C.get_threads() == 3
+    # The old pool's threads are joined, but a joined thread can stay listed in
+    # /proc/self/task for a moment after it exits: wait until only ours remain.
+    assert len(wait_for_threads(2)) == 2
     yield
     _numa._pinned.clear()
     _C.set_affinity(None)
