@@ -48,9 +48,11 @@ static void fp_capsule_destructor(PyObject *capsule)
     }
 }
 
-PyObject *fp_dlpack_capsule(fp_lease_t *lease, void *data, int ndim,
-                            const int64_t *shape, const int64_t *strides,
-                            DLDataType dtype, int minor, int readonly)
+/* A new export of the view (no reference taken yet), its DLTensor in *dl;
+ * NULL with an exception set. */
+static fp_export_t *fp_export_new(fp_lease_t *lease, void *data, int ndim,
+                                  const int64_t *shape, const int64_t *strides,
+                                  DLDataType dtype, DLTensor *dl)
 {
     if (ndim < 0 || ndim > FP_DLPACK_MAX_NDIM) {
         PyErr_Format(PyExc_ValueError, "DLPack export of %d dimensions (at most %d)",
@@ -58,12 +60,14 @@ PyObject *fp_dlpack_capsule(fp_lease_t *lease, void *data, int ndim,
         return NULL;
     }
     fp_export_t *e = calloc(1, sizeof *e + 2 * (size_t)ndim * sizeof(int64_t));
-    if (!e)
-        return PyErr_NoMemory();
+    if (!e) {
+        PyErr_NoMemory();
+        return NULL;
+    }
     memcpy(e->dims, shape, (size_t)ndim * sizeof(int64_t));
     memcpy(e->dims + ndim, strides, (size_t)ndim * sizeof(int64_t));
     e->lease = lease;
-    DLTensor dl = {
+    *dl = (DLTensor){
         .data = data,
         .device = {.device_type = kDLCPU, .device_id = 0},
         .ndim = ndim,
@@ -72,6 +76,35 @@ PyObject *fp_dlpack_capsule(fp_lease_t *lease, void *data, int ndim,
         .strides = e->dims + ndim,
         .byte_offset = 0,
     };
+    return e;
+}
+
+DLManagedTensorVersioned *fp_dlpack_managed(fp_lease_t *lease, void *data, int ndim,
+                                            const int64_t *shape, const int64_t *strides,
+                                            DLDataType dtype)
+{
+    DLTensor dl;
+    fp_export_t *e = fp_export_new(lease, data, ndim, shape, strides, dtype, &dl);
+    if (!e)
+        return NULL;
+    DLManagedTensorVersioned *t = &e->t.versioned;
+    t->version = (DLPackVersion){FP_DLPACK_MAJOR, FP_DLPACK_MINOR};
+    t->manager_ctx = e;
+    t->deleter = fp_dlpack_deleter_versioned;
+    t->flags = 0;
+    t->dl_tensor = dl;
+    fp_lease_incref(lease);
+    return t;
+}
+
+PyObject *fp_dlpack_capsule(fp_lease_t *lease, void *data, int ndim,
+                            const int64_t *shape, const int64_t *strides,
+                            DLDataType dtype, int minor, int readonly)
+{
+    DLTensor dl;
+    fp_export_t *e = fp_export_new(lease, data, ndim, shape, strides, dtype, &dl);
+    if (!e)
+        return NULL;
     const char *name;
     if (minor >= 0) {
         DLManagedTensorVersioned *t = &e->t.versioned;

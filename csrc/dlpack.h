@@ -74,12 +74,48 @@ typedef struct DLManagedTensorVersioned {
 
 #define FP_DLPACK_MAX_NDIM 64
 
+/* The C exchange API (DLPack 1.3: a framework's type carries it as the
+ * capsule `__dlpack_c_exchange_api__`, named "dlpack_exchange_api"): function
+ * pointers that convert tensors without a Python call each way. fastpin reads
+ * a torch tensor's layout with dltensor_from_py_object_no_sync and hands its
+ * own exports to torch with managed_tensor_to_py_object_no_sync. Both
+ * return 0, or -1 with a Python exception set. */
+typedef struct fp_exchange_api_header_s {
+    DLPackVersion version;                  /* the consumer checks the major */
+    struct fp_exchange_api_header_s *prev_api;
+} fp_exchange_api_header_t;
+
+typedef struct {
+    fp_exchange_api_header_t header;
+    /* (prototype, out, error_ctx, set_error) -> status; unused here */
+    int (*managed_tensor_allocator)(DLTensor *, DLManagedTensorVersioned **, void *,
+                                    void (*)(void *, const char *, const char *));
+    int (*managed_tensor_from_py_object_no_sync)(void *py_object,
+                                                 DLManagedTensorVersioned **out);
+    /* Takes ownership of `tensor`. */
+    int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *tensor,
+                                               void **out_py_object);
+    /* A non-owning view of `py_object` in *out, valid until control returns
+     * to it (its shape and strides point into the producer's memory); may be
+     * NULL where a framework does not offer it. */
+    int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out);
+    int (*current_work_stream)(DLDeviceType device_type, int32_t device_id,
+                               void **out_current_stream);
+} fp_exchange_api_t;
+
 /* Exports `ndim` x `shape` x `strides` elements of `dtype` at `data` (inside
  * `lease`'s block) as a DLPack capsule named "dltensor", or
  * "dltensor_versioned" when `minor` >= 0 (version 1.minor). The capsule and,
  * once consumed, the tensor built from it hold one lease reference, dropped
  * by a deleter that is safe from any thread and at interpreter exit.
  * Returns a new reference, or NULL with an exception set. */
+/* The same export as a bare versioned managed tensor, for a consumer that
+ * takes it directly (the exchange API); its deleter drops the reference.
+ * Returns NULL with an exception set. */
+DLManagedTensorVersioned *fp_dlpack_managed(fp_lease_t *lease, void *data, int ndim,
+                                            const int64_t *shape, const int64_t *strides,
+                                            DLDataType dtype);
+
 PyObject *fp_dlpack_capsule(fp_lease_t *lease, void *data, int ndim,
                             const int64_t *shape, const int64_t *strides,
                             DLDataType dtype, int minor, int readonly);

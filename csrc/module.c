@@ -9,48 +9,23 @@
 #include <Python.h>
 #include <structmember.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL fastpin_ARRAY_API
 #include <numpy/arrayobject.h>
 #include <unistd.h>
 
 #include "dlpack.h"
 #include "fastpin.h"
-
-typedef struct {
-    PyTypeObject *ArenaType;  /* fastpin._C.Arena */
-    PyTypeObject *BlockType;  /* fastpin._C.Block */
-    PyObject *Error;          /* fastpin.FastpinError (RuntimeError) */
-    PyObject *CudaError;      /* driver failures */
-    PyObject *ArenaFullError; /* no room, or larger than the cap (MemoryError) */
-    fp_copier_t *copier;      /* made on first use; under the GIL */
-    pid_t copier_pid;         /* process that made it: a forked child makes its own */
-    int threads;              /* wanted pool size, 0 = default; under the GIL */
-    int resize;               /* threads changed since the pool was made */
-    int busy;                 /* runs using the pool with the GIL released */
-    int *cpus;                /* CPUs the pool's threads are pinned to (PyMem), or
-                                 NULL; under the GIL */
-    size_t ncpus;             /* entries in cpus */
-} fp_state;
-
-typedef struct {
-    PyObject_HEAD
-    fp_arena_t *arena;     /* one reference */
-    PyObject *weakreflist; /* the Python layer keys arenas by token, weakly */
-} ArenaObject;
-
-typedef struct {
-    PyObject_HEAD
-    fp_lease_t *lease; /* one reference; exports hold their own */
-} BlockObject;
+#include "module.h"
 
 static struct PyModuleDef fp_module;
 
-static fp_state *fp_state_of_type(PyTypeObject *type)
+fp_state *fp_state_of_type(PyTypeObject *type)
 {
     return PyType_GetModuleState(type);
 }
 
 /* Raises the exception for a core status and returns NULL. */
-static PyObject *fp_raise(fp_state *st, int status)
+PyObject *fp_raise(fp_state *st, int status)
 {
     const char *msg = fp_error_message();
     switch (status) {
@@ -74,7 +49,7 @@ static PyObject *fp_raise(fp_state *st, int status)
 }
 
 /* The copy pool of this process, made on first use; under the GIL. */
-static fp_copier_t *fp_get_copier(fp_state *st)
+fp_copier_t *fp_get_copier(fp_state *st)
 {
     /* In a forked child the parent's pool has no threads: leave it (its
      * mutexes may be held by threads that no longer exist) and start anew. */
@@ -175,7 +150,7 @@ static int fp_span_args(PyObject *dst_obj, PyObject *src_obj, PyObject *size_obj
 /* ---- Block ------------------------------------------------------------- */
 
 /* Returns a new reference to a Block that steals `lease`'s reference. */
-static PyObject *Block_wrap(fp_state *st, fp_lease_t *lease)
+PyObject *Block_wrap(fp_state *st, fp_lease_t *lease)
 {
     BlockObject *self = PyObject_New(BlockObject, st->BlockType);
     if (!self) {
@@ -592,6 +567,38 @@ static PyObject *Arena_alloc(ArenaObject *self, PyObject *arg)
  * a stacked batch), filled by the copy pool with the GIL released.
  * A source is (address, nbytes); address 0 only reserves room. The caller
  * keeps the sources alive for the call. */
+int fp_pin_copies(fp_state *st, fp_arena_t *arena, fp_copy_t *copies,
+                  const uint64_t *offsets, Py_ssize_t n, uint64_t total, fp_lease_t **lease)
+{
+    *lease = NULL;
+    fp_copier_t *copier = fp_get_copier(st);
+    if (!copier)
+        return -1;
+    int status;
+    st->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    status = fp_lease_alloc(arena, total, lease);
+    if (!status) {
+        size_t used = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (copies[i].src && copies[i].size) {
+                copies[used] = copies[i];
+                copies[used++].dst = (*lease)->ptr + offsets[i];
+            }
+        status = fp_copier_run(copier, copies, used);
+    }
+    Py_END_ALLOW_THREADS
+    st->busy--;
+    if (status) {
+        if (*lease)
+            fp_lease_decref(*lease);
+        *lease = NULL;
+        fp_raise(st, status);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *Arena_pin(ArenaObject *self, PyObject *args)
 {
     fp_state *st = fp_state_of_type(Py_TYPE(self));
@@ -642,31 +649,9 @@ static PyObject *Arena_pin(ArenaObject *self, PyObject *args)
         copies[i].size = size;
         total += (size + align - 1) & ~(uint64_t)(align - 1);
     }
-    fp_copier_t *copier = fp_get_copier(st);
-    if (!copier)
+    fp_lease_t *lease;
+    if (fp_pin_copies(st, self->arena, copies, offsets, n, total, &lease))
         goto done;
-    fp_lease_t *lease = NULL;
-    int status;
-    st->busy++;
-    Py_BEGIN_ALLOW_THREADS
-    status = fp_lease_alloc(self->arena, total, &lease);
-    if (!status) {
-        size_t used = 0;
-        for (Py_ssize_t i = 0; i < n; i++)
-            if (copies[i].src && copies[i].size) {
-                copies[used] = copies[i];
-                copies[used++].dst = lease->ptr + offsets[i];
-            }
-        status = fp_copier_run(copier, copies, used);
-    }
-    Py_END_ALLOW_THREADS
-    st->busy--;
-    if (status) {
-        if (lease)
-            fp_lease_decref(lease);
-        fp_raise(st, status);
-        goto done;
-    }
     block = Block_wrap(st, lease);
     if (!block)
         goto done;
@@ -850,6 +835,13 @@ static PyObject *Arena_get_attached(ArenaObject *self, void *Py_UNUSED(c))
 }
 
 static PyMethodDef Arena_methods[] = {
+    {"pin_batch", (PyCFunction)Arena_pin_batch, METH_VARARGS,
+     "pin_batch(leaves, check_pinned) -> list | None\n"
+     "A batch's leaves, plain torch tensors and NumPy arrays that one memcpy each\n"
+     "copies, into one block (each at a GRANULE-aligned offset): the pinned views,\n"
+     "in order (counted in pin_counts()). None: a leaf needs the Python pipeline\n"
+     "(another type, a gather, autograd, torch not yet registered by use_torch);\n"
+     "nothing was allocated. With check_pinned, pinned tensors come back as they are."},
     {"alloc", (PyCFunction)Arena_alloc, METH_O, "alloc(nbytes) -> Block"},
     {"pin", (PyCFunction)Arena_pin, METH_VARARGS,
      "pin([(address, nbytes), ...], align=GRANULE) -> (Block, offsets)\n"
@@ -1177,6 +1169,12 @@ done:
 }
 
 static PyMethodDef fp_methods[] = {
+    {"pin_counts", fp_pin_counts, METH_NOARGS,
+     "pin_counts() -> (batches, leaves, bytes) that Arena.pin_batch placed in this process."},
+    {"use_torch", fp_use_torch, METH_VARARGS,
+     "use_torch(Tensor, api) -> bool\nLet pin_batch take torch tensors, through torch's\n"
+     "DLPack C exchange API (the capsule Tensor.__dlpack_c_exchange_api__);\n"
+     "False (and nothing changes) where that API is missing or of another major version."},
     {"h2d", fp_h2d, METH_VARARGS,
      "h2d(arena, stream, [(dst, src, nbytes, pinned), ...], chunk=0)\n"
      "Queue host-to-device copies on a CUDA stream, staging pageable sources through\n"
@@ -1254,6 +1252,10 @@ static int fp_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->Error);
     Py_VISIT(st->CudaError);
     Py_VISIT(st->ArenaFullError);
+    Py_VISIT(st->TensorType);
+    Py_VISIT(st->torch_api_obj);
+    for (int i = 0; i < FP_NAMES; i++)
+        Py_VISIT(st->names[i]);
     return 0;
 }
 
@@ -1265,6 +1267,11 @@ static int fp_clear(PyObject *module)
     Py_CLEAR(st->Error);
     Py_CLEAR(st->CudaError);
     Py_CLEAR(st->ArenaFullError);
+    st->torch_api = NULL;
+    Py_CLEAR(st->TensorType);
+    Py_CLEAR(st->torch_api_obj);
+    for (int i = 0; i < FP_NAMES; i++)
+        Py_CLEAR(st->names[i]);
     return 0;
 }
 

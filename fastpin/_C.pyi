@@ -132,6 +132,11 @@ class Arena:
     ) -> tuple[Block, tuple[int, ...]]:
         """Copy every (address, nbytes) source into one new block at align-aligned
         offsets (address 0 only reserves room); returns the block and the offsets."""
+    def pin_batch(self, leaves: list[Any], check_pinned: bool, /) -> list[Any] | None:
+        """pin_memory's fast path: plain torch tensors (once use_torch ran) and NumPy
+        arrays that one memcpy each copies, into one block at GRANULE-aligned
+        offsets; their views in order, or None (nothing allocated) when a leaf
+        needs the Python pipeline. check_pinned: pinned tensors come back as is."""
     def adopt(self, index: int, nbytes: int, /) -> Block:
         """In the creator: take over a block that a worker filled and detached."""
     def reclaim(self) -> int:
@@ -158,6 +163,11 @@ def h2d(
     """Queue host-to-device copies (dst, src, nbytes, src is pinned) on a CUDA
     stream (a raw handle), staging pageable sources through the arena."""
 
+def use_torch(tensor_type: type, api: Any, /) -> bool:
+    """Let Arena.pin_batch take torch tensors through torch's DLPack C exchange
+    API (Tensor.__dlpack_c_exchange_api__); False where that API is unusable."""
+def pin_counts() -> tuple[int, int, int]:
+    """(batches, leaves, bytes) that Arena.pin_batch placed in this process."""
 def cuda_status() -> _CudaStatus: ...
 def capture_begin() -> None:
     """A CUDA graph capture begins in this process: free fences wait until it ends."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Any, Optional
 
 from . import _C, _graphs
-from ._arena import ON_FULL, _policy, cuda_available, default_arena, policy
+from ._arena import (ON_FULL, _policy, cuda_available, default_arena, made_default_arena,
+                     policy)
 from ._leaves import Plan, is_leaf
 from ._walk import flatten, unflatten
 
@@ -27,8 +29,15 @@ def _count(batches: int = 0, leaves: int = 0, nbytes: int = 0, fallbacks: int = 
 
 
 def counters() -> dict:
+    """What pin_memory did in this process: its Python pipeline's counts plus
+    those of the C fast path (Arena.pin_batch)."""
     with _counters_lock:
-        return dict(_counters)
+        out = dict(_counters)
+    batches, leaves, nbytes = _C.pin_counts()
+    out["batches"] += batches
+    out["leaves"] += leaves
+    out["bytes"] += nbytes
+    return out
 
 
 class _Fallback(Exception):
@@ -80,6 +89,21 @@ def _pin_with_policy(arena, plan, on_full: str):
             arena.collect()
 
 
+_torch_seen = False
+
+
+def _use_torch() -> None:
+    """Let Arena.pin_batch read and make torch tensors (through torch's DLPack C
+    exchange API, where this torch has it), once torch is imported."""
+    global _torch_seen
+    torch = sys.modules["torch"]
+    api = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
+    if api is not None and not _C.use_torch(torch.Tensor, api):
+        log.debug("fastpin: torch's DLPack exchange API is of another version; "
+                  "pinning torch tensors through the Python pipeline")
+    _torch_seen = True
+
+
 def pin_memory(data: Any, device: Optional[str] = None, *,
                arena: Optional[_C.Arena] = None, stream: Any = None,
                on_full: Optional[str] = None) -> Any:
@@ -106,11 +130,33 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
 
     on_full overrides fastpin.configure(on_full=...) for this call: "fallback",
     "wait" or "raise" (see configure)."""
-    if not _graphs.watching and cuda_available():
+    cuda = cuda_available()
+    if cuda and not _graphs.watching:
         _graphs.watch()
     if on_full is not None and on_full not in ON_FULL:
         raise ValueError(f"on_full must be 'fallback', 'wait' or 'raise', not {on_full!r}")
     spec, leaves = flatten(data, is_leaf)  # one walk: the rebuild uses this record
+    if leaves:
+        if not _torch_seen and sys.modules.get("torch") is not None:
+            _use_torch()
+        # The default arena is made by the first batch that places a leaf (below).
+        fast_arena = arena if arena is not None else made_default_arena(device)
+        if fast_arena is not None:
+            try:
+                # One C call for the common batch (plain tensors and arrays, each
+                # one memcpy); None: a leaf needs the Python pipeline below.
+                outs = fast_arena.pin_batch(leaves, cuda)
+            except _C.ArenaFullError:
+                outs = None  # the full-arena policy below decides
+            if outs is not None:
+                return unflatten(spec, outs)
+    return _pin_planned(spec, leaves, device, arena, on_full)
+
+
+def _pin_planned(spec, leaves: list, device: Any, arena: Optional[_C.Arena],
+                 on_full: Optional[str]) -> Any:
+    """pin_memory through the Python pipeline (_leaves.Plan): every leaf type,
+    gathers, autograd, and the full-arena policy."""
     plan = Plan(leaves)
     block = None
     if plan.placed:

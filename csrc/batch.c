@@ -1,0 +1,409 @@
+/* pin_memory's fast path: a whole batch in one C call (fastpin/_pin.py).
+ *
+ * Arena.pin_batch(leaves) takes the leaves of one batch (flattened by the
+ * Python layer) and, when every one is a plain torch tensor or NumPy array
+ * that one memcpy copies, places them all in one block, each at a
+ * GRANULE-aligned offset (the leaf pipeline's one rule, fastpin/_leaves.py),
+ * copies them with the GIL released and gives back their views. torch tensors
+ * are read and made through torch's DLPack C exchange API (no Python call
+ * per conversion), arrays through NumPy's C API. A leaf this path does not
+ * take (another type, a gather, autograd, a device tensor) makes the whole
+ * call return None before anything is allocated, and the Python pipeline
+ * does the batch: one block per batch either way, one set of rules. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL fastpin_ARRAY_API
+#define NO_IMPORT_ARRAY
+#include <numpy/arrayobject.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dlpack.h"
+#include "fastpin.h"
+#include "module.h"
+
+enum { FP_LEAF_TENSOR, FP_LEAF_ARRAY, FP_LEAF_KEEP };
+
+typedef struct {
+    PyObject *leaf;    /* borrowed: the caller's list holds it */
+    int kind;          /* FP_LEAF_*: KEEP comes back as it is (pinned already) */
+    int ndim;
+    size_t dims;       /* its shape in the dims pool, then (tensors) its strides */
+    DLDataType dtype;  /* tensors */
+    const char *src;   /* first byte to copy */
+    uint64_t nbytes;
+    uint64_t offset;   /* in the block */
+} fp_leaf_t;
+
+typedef struct {
+    fp_leaf_t *leaves;
+    int64_t *dims;     /* every leaf's shape and strides */
+    size_t ndims, cap;
+} fp_batch_t;
+
+/* Room for `n` more entries in the dims pool; -1 with MemoryError. */
+static int fp_dims_reserve(fp_batch_t *b, size_t n)
+{
+    if (b->ndims + n <= b->cap)
+        return 0;
+    size_t cap = b->cap ? b->cap : 64;
+    while (cap < b->ndims + n)
+        cap *= 2;
+    int64_t *dims = PyMem_Realloc(b->dims, cap * sizeof *dims);
+    if (!dims) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->dims = dims;
+    b->cap = cap;
+    return 0;
+}
+
+/* Calls the no-argument method `name` of x (an interned string); 1 if it
+ * returned True, 0 if not, -1 on an error. */
+static int fp_call_flag(PyObject *x, PyObject *name)
+{
+    PyObject *r = PyObject_CallMethodNoArgs(x, name);
+    if (!r)
+        return -1;
+    int flag = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return flag;
+}
+
+static int fp_attr_flag(PyObject *x, PyObject *name)
+{
+    PyObject *r = PyObject_GetAttr(x, name);
+    if (!r)
+        return -1;
+    int flag = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return flag;
+}
+
+/* How `ndim` x shape x strides (elements) lie: 2 contiguous (row-major,
+ * size-1 dimensions aside), 1 dense (a permutation of a contiguous layout,
+ * channels_last included: one memcpy copies it and the strides are kept),
+ * 0 neither (a gather). As _leaves._is_dense. */
+static int fp_layout_kind(int ndim, const int64_t *shape, const int64_t *strides)
+{
+    int64_t expected = 1;
+    int contiguous = 1;
+    for (int i = ndim - 1; i >= 0; i--) {
+        if (shape[i] == 0)
+            return 2;
+        if (shape[i] == 1)
+            continue;
+        if (strides[i] != expected)
+            contiguous = 0;
+        expected *= shape[i];
+    }
+    if (contiguous)
+        return 2;
+    /* Dense: sorted by stride, each stride is the product of the sizes below. */
+    int order[FP_DLPACK_MAX_NDIM], n = 0;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] == 1)
+            continue;
+        int j = n++;
+        while (j > 0 && strides[order[j - 1]] > strides[i]) {
+            order[j] = order[j - 1];
+            j--;
+        }
+        order[j] = i;
+    }
+    expected = 1;
+    for (int k = 0; k < n; k++) {
+        if (strides[order[k]] != expected)
+            return 0;
+        expected *= shape[order[k]];
+    }
+    return 1;
+}
+
+/* Reads a plain torch tensor into *l; 1 if it takes this path, 0 if the
+ * Python pipeline must do the batch, -1 on an error. */
+static int fp_read_tensor(fp_state *st, fp_batch_t *b, fp_leaf_t *l, int check_pinned)
+{
+    DLTensor dl;
+    if (st->torch_api->dltensor_from_py_object_no_sync(l->leaf, &dl)) {
+        PyErr_Clear(); /* sparse, nested, quantized, ...: torch's own path */
+        return 0;
+    }
+    if (dl.device.device_type != kDLCPU || dl.ndim < 0 || dl.ndim > FP_DLPACK_MAX_NDIM ||
+        dl.dtype.lanes != 1 || dl.dtype.bits == 0 || dl.dtype.bits % 8)
+        return 0;
+    /* The view is valid until control returns to torch: copy it out first. */
+    if (fp_dims_reserve(b, 2 * (size_t)dl.ndim))
+        return -1;
+    int64_t *shape = b->dims + b->ndims, *strides = shape + dl.ndim;
+    memcpy(shape, dl.shape, (size_t)dl.ndim * sizeof *shape);
+    uint64_t numel = 1;
+    for (int i = 0; i < dl.ndim; i++)
+        if (shape[i] < 0 || __builtin_mul_overflow(numel, (uint64_t)shape[i], &numel))
+            return 0;
+    if (dl.strides)
+        memcpy(strides, dl.strides, (size_t)dl.ndim * sizeof *strides);
+    int kind = dl.strides ? fp_layout_kind(dl.ndim, shape, strides) : 2;
+    if (kind == 0)
+        return 0;
+    if (kind == 2) /* canonical strides: size-1 dimensions may carry any */
+        for (int i = dl.ndim - 1, step = 1; i >= 0; i--) {
+            strides[i] = step;
+            step *= shape[i] > 1 ? shape[i] : 1;
+        }
+    l->ndim = dl.ndim;
+    l->dims = b->ndims;
+    l->dtype = dl.dtype;
+    l->src = (const char *)dl.data + dl.byte_offset;
+    if (__builtin_mul_overflow(numel, (uint64_t)dl.dtype.bits / 8, &l->nbytes))
+        return 0;
+    b->ndims += 2 * (size_t)dl.ndim;
+    /* What DLPack does not say: autograd, and the lazy conjugate/negative
+     * bits (their data is exported as stored). */
+    int flag = fp_attr_flag(l->leaf, st->names[FP_NAME_REQUIRES_GRAD]);
+    if (flag)
+        return flag < 0 ? -1 : 0;
+    if ((flag = fp_call_flag(l->leaf, st->names[FP_NAME_IS_NEG])))
+        return flag < 0 ? -1 : 0;
+    if (dl.dtype.code == kDLComplex && (flag = fp_call_flag(l->leaf, st->names[FP_NAME_IS_CONJ])))
+        return flag < 0 ? -1 : 0;
+    if (check_pinned) {
+        if ((flag = fp_call_flag(l->leaf, st->names[FP_NAME_IS_PINNED])) < 0)
+            return -1;
+        if (flag)
+            l->kind = FP_LEAF_KEEP;
+    }
+    return 1;
+}
+
+/* Reads a plain, C-contiguous NumPy array of plain data into *l; 1, or 0
+ * for the Python pipeline, -1 on an error. */
+static int fp_read_array(fp_batch_t *b, fp_leaf_t *l)
+{
+    PyArrayObject *a = (PyArrayObject *)l->leaf;
+    if (PyDataType_REFCHK(PyArray_DESCR(a)) || !PyArray_IS_C_CONTIGUOUS(a))
+        return 0;
+    int ndim = PyArray_NDIM(a);
+    if (ndim > FP_DLPACK_MAX_NDIM || fp_dims_reserve(b, (size_t)ndim))
+        return ndim > FP_DLPACK_MAX_NDIM ? 0 : -1;
+    for (int i = 0; i < ndim; i++)
+        b->dims[b->ndims + i] = PyArray_DIM(a, i);
+    l->ndim = ndim;
+    l->dims = b->ndims;
+    l->src = PyArray_BYTES(a);
+    l->nbytes = (uint64_t)PyArray_NBYTES(a);
+    b->ndims += (size_t)ndim;
+    return 1;
+}
+
+/* `out` (a new reference, stolen) with the dtype of `leaf`: DLPack has one
+ * code for several torch dtypes (uint1..uint7 travel as uint8 bytes, as
+ * int1..int7 as int8), so a view gives the leaf's own back. */
+static PyObject *fp_same_dtype(fp_state *st, PyObject *out, PyObject *leaf)
+{
+    PyObject *want = PyObject_GetAttr(leaf, st->names[FP_NAME_DTYPE]);
+    PyObject *got = want ? PyObject_GetAttr(out, st->names[FP_NAME_DTYPE]) : NULL;
+    if (got && got != want) {
+        PyObject *view = PyObject_CallMethodOneArg(out, st->names[FP_NAME_VIEW], want);
+        Py_SETREF(out, view);
+    }
+    if (!got)
+        Py_CLEAR(out);
+    Py_XDECREF(want);
+    Py_XDECREF(got);
+    return out;
+}
+
+/* The view of leaf l over `block` (lease), a new reference or NULL. */
+static PyObject *fp_leaf_view(fp_state *st, fp_batch_t *b, const fp_leaf_t *l, PyObject *block)
+{
+    fp_lease_t *lease = ((BlockObject *)block)->lease;
+    const int64_t *shape = b->dims + l->dims;
+    if (l->kind == FP_LEAF_TENSOR) {
+        DLManagedTensorVersioned *t = fp_dlpack_managed(lease, lease->ptr + l->offset, l->ndim,
+                                                        shape, shape + l->ndim, l->dtype);
+        void *made = NULL;
+        /* On failure torch owns t all the same (the API takes it): at worst
+         * this block outlives its batch, never a double free. */
+        if (!t || st->torch_api->managed_tensor_to_py_object_no_sync(t, &made))
+            return NULL;
+        return fp_same_dtype(st, made, l->leaf);
+    }
+    PyArray_Descr *descr = PyArray_DESCR((PyArrayObject *)l->leaf);
+    npy_intp dims[FP_DLPACK_MAX_NDIM];
+    for (int i = 0; i < l->ndim; i++)
+        dims[i] = (npy_intp)shape[i];
+    Py_INCREF(descr); /* stolen below */
+    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, l->ndim, dims, NULL,
+                                         lease->ptr + l->offset, NPY_ARRAY_WRITEABLE, NULL);
+    if (!arr)
+        return NULL;
+    Py_INCREF(block);
+    if (PyArray_SetBaseObject((PyArrayObject *)arr, block) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return arr;
+}
+
+/* Reads every leaf; 1: all take this path, 0: the Python pipeline, -1. */
+static int fp_read_batch(fp_state *st, fp_batch_t *b, PyObject **items, Py_ssize_t n,
+                         int check_pinned)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        fp_leaf_t *l = &b->leaves[i];
+        l->leaf = items[i];
+        int took;
+        if (st->TensorType && Py_TYPE(l->leaf) == (PyTypeObject *)st->TensorType) {
+            l->kind = FP_LEAF_TENSOR;
+            took = fp_read_tensor(st, b, l, check_pinned);
+        } else if (Py_TYPE(l->leaf) == &PyArray_Type) {
+            l->kind = FP_LEAF_ARRAY;
+            took = fp_read_array(b, l);
+        } else {
+            took = 0;
+        }
+        if (took <= 0)
+            return took;
+    }
+    return 1;
+}
+
+/* The block's layout: GRANULE-aligned offsets; returns the bytes, or
+ * UINT64_MAX past what any arena holds. */
+static uint64_t fp_batch_pack(fp_batch_t *b, Py_ssize_t n, fp_copy_t *copies, uint64_t *offsets)
+{
+    uint64_t total = 0;
+    Py_ssize_t used = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        fp_leaf_t *l = &b->leaves[i];
+        if (l->kind == FP_LEAF_KEEP)
+            continue;
+        total = (total + FP_GRANULE - 1) & ~(uint64_t)(FP_GRANULE - 1);
+        if (l->nbytes > FP_MAX_CAPACITY || total + l->nbytes > FP_MAX_CAPACITY)
+            return UINT64_MAX;
+        l->offset = total;
+        copies[used] = (fp_copy_t){.src = l->nbytes ? l->src : NULL, .size = l->nbytes};
+        offsets[used++] = total;
+        total += l->nbytes;
+    }
+    return total;
+}
+
+/* Every leaf's view over the new block, into a new list. */
+static PyObject *fp_batch_views(fp_state *st, fp_batch_t *b, PyObject **items, Py_ssize_t n,
+                                PyObject *block)
+{
+    PyObject *outs = PyList_New(n);
+    if (!outs)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const fp_leaf_t *l = &b->leaves[i];
+        PyObject *out;
+        if (l->kind == FP_LEAF_KEEP) {
+            out = Py_NewRef(items[i]);
+        } else if (!(out = fp_leaf_view(st, b, l, block))) {
+            Py_DECREF(outs);
+            return NULL;
+        }
+        PyList_SET_ITEM(outs, i, out);
+    }
+    return outs;
+}
+
+PyObject *Arena_pin_batch(ArenaObject *self, PyObject *args)
+{
+    fp_state *st = fp_state_of_type(Py_TYPE(self));
+    PyObject *list;
+    int check_pinned;
+    if (!PyArg_ParseTuple(args, "O!p:pin_batch", &PyList_Type, &list, &check_pinned))
+        return NULL;
+    Py_INCREF(list); /* its items are borrowed while Python code may run */
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    PyObject **items = PyMem_Malloc(((size_t)n + 1) * sizeof *items);
+    fp_batch_t b = {.leaves = PyMem_Calloc((size_t)n + 1, sizeof *b.leaves)};
+    fp_copy_t *copies = PyMem_Calloc((size_t)n + 1, sizeof *copies);
+    uint64_t *offsets = PyMem_Calloc((size_t)n + 1, sizeof *offsets);
+    PyObject *result = NULL, *block = NULL;
+    if (!items || !b.leaves || !copies || !offsets) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        items[i] = Py_NewRef(PyList_GET_ITEM(list, i)); /* the list may change under us */
+    int took = fp_read_batch(st, &b, items, n, check_pinned);
+    if (took <= 0) {
+        result = took < 0 ? NULL : Py_NewRef(Py_None);
+        goto done;
+    }
+    uint64_t total = fp_batch_pack(&b, n, copies, offsets), data = 0;
+    if (total == UINT64_MAX) {
+        PyErr_Format(st->ArenaFullError, "pin_batch: more bytes than any arena holds (2**43)");
+        goto done;
+    }
+    Py_ssize_t placed = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (b.leaves[i].kind != FP_LEAF_KEEP) {
+            placed++;
+            data += b.leaves[i].nbytes;
+        }
+    if (placed) {
+        fp_lease_t *lease;
+        if (fp_pin_copies(st, self->arena, copies, offsets, placed, total, &lease))
+            goto done;
+        if (!(block = Block_wrap(st, lease)))
+            goto done;
+    }
+    if ((result = fp_batch_views(st, &b, items, n, block))) {
+        st->pinned.batches++;
+        st->pinned.leaves += (uint64_t)placed;
+        st->pinned.bytes += data;
+    }
+done:
+    Py_XDECREF(block);
+    if (items && b.leaves)
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_DECREF(items[i]);
+    Py_DECREF(list);
+    PyMem_Free(items);
+    PyMem_Free(b.leaves);
+    PyMem_Free(b.dims);
+    PyMem_Free(copies);
+    PyMem_Free(offsets);
+    return result;
+}
+
+PyObject *fp_pin_counts(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    fp_state *st = PyModule_GetState(module);
+    return Py_BuildValue("(KKK)", (unsigned long long)st->pinned.batches,
+                         (unsigned long long)st->pinned.leaves,
+                         (unsigned long long)st->pinned.bytes);
+}
+
+PyObject *fp_use_torch(PyObject *module, PyObject *args)
+{
+    fp_state *st = PyModule_GetState(module);
+    PyObject *type, *capsule;
+    if (!PyArg_ParseTuple(args, "O!O:use_torch", &PyType_Type, &type, &capsule))
+        return NULL;
+    if (!PyCapsule_IsValid(capsule, "dlpack_exchange_api"))
+        Py_RETURN_FALSE;
+    const fp_exchange_api_t *api = PyCapsule_GetPointer(capsule, "dlpack_exchange_api");
+    if (!api || api->header.version.major != FP_DLPACK_MAJOR ||
+        !api->dltensor_from_py_object_no_sync || !api->managed_tensor_to_py_object_no_sync)
+        Py_RETURN_FALSE;
+    static const char *const names[FP_NAMES] = {
+        [FP_NAME_REQUIRES_GRAD] = "requires_grad", [FP_NAME_IS_NEG] = "is_neg",
+        [FP_NAME_IS_CONJ] = "is_conj", [FP_NAME_IS_PINNED] = "is_pinned",
+        [FP_NAME_DTYPE] = "dtype", [FP_NAME_VIEW] = "view"};
+    for (int i = 0; i < FP_NAMES; i++)
+        if (!st->names[i] && !(st->names[i] = PyUnicode_InternFromString(names[i])))
+            return NULL;
+    Py_XSETREF(st->TensorType, Py_NewRef(type));
+    Py_XSETREF(st->torch_api_obj, Py_NewRef(capsule));
+    st->torch_api = api;
+    Py_RETURN_TRUE;
+}

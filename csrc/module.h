@@ -1,0 +1,77 @@
+/* What the binding files of fastpin._C share (module.c, batch.c): the module
+ * state, the two object types and the helpers that raise, find the copy pool
+ * and wrap a lease. Not part of the core's interface (fastpin.h). */
+#ifndef FASTPIN_MODULE_H
+#define FASTPIN_MODULE_H
+
+#include <Python.h>
+
+#include "dlpack.h"
+#include "fastpin.h"
+
+/* Attribute names batch.c asks torch tensors for, interned once. */
+enum {
+    FP_NAME_REQUIRES_GRAD,
+    FP_NAME_IS_NEG,
+    FP_NAME_IS_CONJ,
+    FP_NAME_IS_PINNED,
+    FP_NAME_DTYPE,
+    FP_NAME_VIEW,
+    FP_NAMES
+};
+
+typedef struct {
+    PyTypeObject *ArenaType;  /* fastpin._C.Arena */
+    PyTypeObject *BlockType;  /* fastpin._C.Block */
+    PyObject *Error;          /* fastpin.FastpinError (RuntimeError) */
+    PyObject *CudaError;      /* driver failures */
+    PyObject *ArenaFullError; /* no room, or larger than the cap (MemoryError) */
+    fp_copier_t *copier;      /* made on first use; under the GIL */
+    pid_t copier_pid;         /* process that made it: a forked child makes its own */
+    int threads;              /* wanted pool size, 0 = default; under the GIL */
+    int resize;               /* threads changed since the pool was made */
+    int busy;                 /* runs using the pool with the GIL released */
+    int *cpus;                /* CPUs the pool's threads are pinned to (PyMem), or
+                                 NULL; under the GIL */
+    size_t ncpus;             /* entries in cpus */
+    PyObject *TensorType;     /* torch.Tensor once use_torch() ran, or NULL */
+    PyObject *torch_api_obj;  /* the capsule that keeps torch_api valid */
+    const fp_exchange_api_t *torch_api; /* torch's DLPack exchange API, or NULL */
+    PyObject *names[FP_NAMES];
+    struct {
+        uint64_t batches, leaves, bytes;
+    } pinned;                 /* what pin_batch placed in this process; under the GIL */
+} fp_state;
+
+typedef struct {
+    PyObject_HEAD
+    fp_arena_t *arena;     /* one reference */
+    PyObject *weakreflist; /* the Python layer keys arenas by token, weakly */
+} ArenaObject;
+
+typedef struct {
+    PyObject_HEAD
+    fp_lease_t *lease; /* one reference; exports hold their own */
+} BlockObject;
+
+fp_state *fp_state_of_type(PyTypeObject *type);
+/* Raises the exception for a core status and returns NULL. */
+PyObject *fp_raise(fp_state *st, int status);
+/* The process's copy pool (made, or remade after fork or set_threads, on
+ * first use); NULL with an exception set. Under the GIL. */
+fp_copier_t *fp_get_copier(fp_state *st);
+/* A Block owning the lease's reference (dropped on failure). */
+PyObject *Block_wrap(fp_state *st, fp_lease_t *lease);
+/* Allocates `total` bytes of `arena` and copies copies[i] (n entries; a NULL
+ * source or 0 bytes skipped) to offsets[i] in it, with the GIL released; the
+ * dst fields are filled here. *lease is the new block, or NULL with an
+ * exception set (returns -1). */
+int fp_pin_copies(fp_state *st, fp_arena_t *arena, fp_copy_t *copies,
+                  const uint64_t *offsets, Py_ssize_t n, uint64_t total, fp_lease_t **lease);
+
+/* batch.c */
+PyObject *fp_use_torch(PyObject *module, PyObject *args);
+PyObject *Arena_pin_batch(ArenaObject *self, PyObject *args);
+PyObject *fp_pin_counts(PyObject *module, PyObject *ignored);
+
+#endif /* FASTPIN_MODULE_H */

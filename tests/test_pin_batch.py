@@ -1,0 +1,172 @@
+"""pin_memory's C fast path (Arena.pin_batch): one C call per batch for plain
+tensors and arrays, the same results as the Python pipeline (_leaves.Plan),
+and None (nothing allocated) for every leaf it leaves to that pipeline."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import fastpin
+from fastpin import _C, _pin
+from fastpin._walk import flatten
+from fastpin._leaves import is_leaf
+from conftest import assert_same, in_arena, patterned
+
+DTYPES = [d for d in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                      torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                      torch.complex64, torch.complex128, torch.complex32, torch.uint16,
+                      torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+                      *[getattr(torch, f"{k}{b}") for k in ("uint", "int") for b in range(1, 8)
+                        if hasattr(torch, f"{k}{b}")])]
+
+
+def fast(leaves, arena, check_pinned=False):
+    _pin._use_torch()
+    return arena.pin_batch(list(leaves), check_pinned)
+
+
+def planned(leaves, arena):
+    spec, flat = flatten(list(leaves), is_leaf)
+    return _pin._pin_planned(spec, flat, None, arena, "raise")
+
+
+def shell(dtype, shape, seed):
+    """A tensor of `dtype` with patterned bytes (dtypes torch cannot fill itself)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return patterned((*shape[:-1], shape[-1] * size), torch.uint8, seed).view(dtype)
+
+
+def leaves_of_every_kind(seed):
+    out = [shell(d, (3, 5), seed + i) for i, d in enumerate(DTYPES)]
+    out += [patterned((4, 6), torch.float32, seed).t(),                     # dense, permuted
+            patterned((2, 3, 4, 5), torch.float32, seed).to(memory_format=torch.channels_last),
+            torch.empty(0, 3), patterned((), torch.int64, seed),             # empty, 0-d
+            patterned((1, 7), torch.int32, seed).as_strided((1, 7), (99, 1)),  # odd size-1 stride
+            patterned((5, 3), np.float64, seed), patterned((), np.int16, seed),
+            np.zeros(0, np.float32),
+            np.array([(1, 2.5), (3, 4.5)], dtype=[("a", "<i4"), ("b", "<f8")]),
+            np.arange(12, dtype=">i4").reshape(3, 4)]                       # big-endian
+    return out
+
+
+def test_fast_path_gives_what_the_pipeline_gives(arena):
+    leaves = leaves_of_every_kind(3)
+    before = _C.pin_counts()
+    outs = fast(leaves, arena)
+    assert outs is not None, "every leaf here is one memcpy: the fast path takes the batch"
+    assert _C.pin_counts()[0] == before[0] + 1
+    ref = planned(leaves, arena)
+    assert len(outs) == len(leaves) == len(ref)
+    for i, (o, r, x) in enumerate(zip(outs, ref, leaves)):
+        assert type(o) is type(r), i
+        assert_same(o, x)
+        if isinstance(x, torch.Tensor):
+            assert o.stride() == r.stride(), (i, x.dtype)
+            assert not o.requires_grad
+        else:
+            assert o.dtype == x.dtype and o.strides == r.strides and o.flags.writeable, i
+        if o.nbytes:
+            assert in_arena(o, arena), i
+            assert o.data_ptr() % _C.GRANULE == 0 if isinstance(o, torch.Tensor) \
+                else o.ctypes.data % _C.GRANULE == 0
+
+
+def test_fast_path_outputs_are_copies(arena):
+    x = patterned((64,), torch.int32, 1)
+    a = patterned((64,), np.int32, 2)
+    out_x, out_a = fast([x, a], arena)
+    x_bytes, a_bytes = x.clone(), a.copy()
+    x.add_(1)
+    a += 1
+    assert torch.equal(out_x, x_bytes) and np.array_equal(out_a, a_bytes)
+
+
+@pytest.mark.parametrize("case", [
+    "conj", "neg", "requires_grad", "gather", "fortran", "object", "subclass", "sparse",
+    "nested", "masked", "int"])
+def test_fast_path_leaves_these_to_the_pipeline(case, arena):
+    z = patterned((3, 4), torch.complex64, 5)
+    leaf = {
+        "conj": lambda: z.conj(),
+        "neg": lambda: z.conj().imag,
+        "requires_grad": lambda: patterned((3,), torch.float32, 1).requires_grad_(),
+        "gather": lambda: patterned((6, 6), torch.float32, 2)[::2, ::3],
+        "fortran": lambda: np.asfortranarray(patterned((3, 4), np.float32, 3)),
+        "object": lambda: np.array([object(), 1], dtype=object),
+        "subclass": lambda: torch.nn.Parameter(patterned((3,), torch.float32, 4)),
+        "sparse": lambda: patterned((3, 3), torch.float32, 6).to_sparse(),
+        "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        "masked": lambda: np.ma.masked_array([1, 2, 3], mask=[0, 1, 0]),
+        "int": lambda: 7,
+    }[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype
+        x = leaf()
+    plain = patterned((8,), torch.int64, 9)
+    before = arena.stats()
+    assert fast([plain, x], arena) is None
+    after = arena.stats()
+    assert (after["blocks_in_use"], after["bytes_in_use"]) == (before["blocks_in_use"],
+                                                           before["bytes_in_use"])
+    # ... and pin_memory still gives what the pipeline gives (one block, the same rules).
+    out = fastpin.pin_memory([plain, x], arena=arena)
+    assert_same(out[0], plain)
+
+
+def test_fast_path_blocks_are_freed_when_the_views_die(arena):
+    base = arena.stats()["blocks_in_use"]
+    outs = fast([patterned((1000,), torch.float32, 1), patterned((7,), np.uint8, 2)], arena)
+    assert arena.stats()["blocks_in_use"] == base + 1   # one block for the batch
+    arr = outs[1]
+    del outs
+    arena.collect()
+    assert arena.stats()["blocks_in_use"] == base + 1   # the array still holds it
+    assert np.array_equal(arr, patterned((7,), np.uint8, 2))
+    del arr
+    arena.collect()
+    assert arena.stats()["blocks_in_use"] == base
+
+
+def test_fast_path_counts_in_fastpin_stats(arena):
+    before = fastpin.stats()
+    fastpin.pin_memory({"a": patterned((10,), torch.int16, 1),
+                        "b": patterned((3,), np.float32, 2)}, arena=arena)
+    after = fastpin.stats()
+    assert after["batches"] == before["batches"] + 1
+    assert after["leaves"] == before["leaves"] + 2
+    assert after["bytes"] == before["bytes"] + 20 + 12
+
+
+@pytest.mark.parametrize("on_full", ["fallback", "raise"])
+def test_full_arena_follows_the_policy_on_the_fast_path(on_full):
+    small = _C.Arena(1 << 20, cuda=False)
+    x = patterned((600_000,), torch.uint8, 3)
+    hold = fastpin.pin_memory(x, arena=small, on_full="raise")   # fills most of it
+    if on_full == "raise":
+        with pytest.raises(fastpin.ArenaFullError):
+            fastpin.pin_memory(x, arena=small, on_full=on_full)
+    else:
+        out = fastpin.pin_memory(x, arena=small, on_full=on_full)
+        assert torch.equal(out, x) and not in_arena(out, small)
+    del hold
+
+
+def test_use_torch_refuses_what_is_not_the_exchange_api():
+    assert _C.use_torch(torch.Tensor, object()) is False
+    import ctypes
+    wrong = ctypes.pythonapi.PyCapsule_New
+    wrong.restype, wrong.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
+                                                       ctypes.c_void_p]
+    assert _C.use_torch(torch.Tensor, wrong(1, b"not_the_api", None)) is False
+    assert _C.use_torch(torch.Tensor, torch.Tensor.__dlpack_c_exchange_api__) is True
+
+
+def test_many_leaves_and_deep_shapes(arena):
+    leaves = [patterned((2,) * (i % 9 + 1), torch.float32, i) for i in range(300)]
+    outs = fast(leaves, arena)
+    assert outs is not None
+    for o, x in zip(outs, leaves):
+        assert_same(o, x)
