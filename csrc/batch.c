@@ -60,21 +60,11 @@ static int fp_dims_reserve(fp_batch_t *b, size_t n)
     return 0;
 }
 
-/* Calls the no-argument method `name` of x (an interned string); 1 if it
- * returned True, 0 if not, -1 on an error. */
-static int fp_call_flag(PyObject *x, PyObject *name)
+/* x.name (an attribute) or x.name() (a method: `call`), name interned: 1 if
+ * it is true, 0 if not, -1 on an error. */
+static int fp_flag(PyObject *x, PyObject *name, int call)
 {
-    PyObject *r = PyObject_CallMethodNoArgs(x, name);
-    if (!r)
-        return -1;
-    int flag = PyObject_IsTrue(r);
-    Py_DECREF(r);
-    return flag;
-}
-
-static int fp_attr_flag(PyObject *x, PyObject *name)
-{
-    PyObject *r = PyObject_GetAttr(x, name);
+    PyObject *r = call ? PyObject_CallMethodNoArgs(x, name) : PyObject_GetAttr(x, name);
     if (!r)
         return -1;
     int flag = PyObject_IsTrue(r);
@@ -162,15 +152,15 @@ static int fp_read_tensor(fp_state *st, fp_batch_t *b, fp_leaf_t *l, int check_p
     b->ndims += 2 * (size_t)dl.ndim;
     /* What DLPack does not say: autograd, and the lazy conjugate/negative
      * bits (their data is exported as stored). */
-    int flag = fp_attr_flag(l->leaf, st->names[FP_NAME_REQUIRES_GRAD]);
+    int flag = fp_flag(l->leaf, st->names[FP_NAME_REQUIRES_GRAD], 0);
     if (flag)
         return flag < 0 ? -1 : 0;
-    if ((flag = fp_call_flag(l->leaf, st->names[FP_NAME_IS_NEG])))
+    if ((flag = fp_flag(l->leaf, st->names[FP_NAME_IS_NEG], 1)))
         return flag < 0 ? -1 : 0;
-    if (dl.dtype.code == kDLComplex && (flag = fp_call_flag(l->leaf, st->names[FP_NAME_IS_CONJ])))
+    if (dl.dtype.code == kDLComplex && (flag = fp_flag(l->leaf, st->names[FP_NAME_IS_CONJ], 1)))
         return flag < 0 ? -1 : 0;
     if (check_pinned) {
-        if ((flag = fp_call_flag(l->leaf, st->names[FP_NAME_IS_PINNED])) < 0)
+        if ((flag = fp_flag(l->leaf, st->names[FP_NAME_IS_PINNED], 1)) < 0)
             return -1;
         if (flag)
             l->kind = FP_LEAF_KEEP;
