@@ -227,6 +227,7 @@ def epoch(case: str, device, workers: int, batches: int, warmup: int,
     tail = 2 + 2 * workers   # batches left after the second reading
     dl = DataLoader(make(batch_size * (warmup + batches + tail)), batch_size=batch_size,
                     num_workers=workers, pin_memory=pin_memory)
+    start = _snapshot()
     loader = fastpin.Loader(dl, device=device, zero_copy=True)
     it = iter(loader)
     for _ in range(warmup):
@@ -243,6 +244,7 @@ def epoch(case: str, device, workers: int, batches: int, warmup: int,
     for _ in it:
         pass
     groups, lost = _per_group(before, after, python_names)
+    setup, _ = _per_group(start, before, python_names)
     stats = loader.stats()
     ms = 1e3 / batches
     return {
@@ -257,6 +259,10 @@ def epoch(case: str, device, workers: int, batches: int, warmup: int,
         "wall_ms": wall * ms,
         "threads_lost": lost,
         "fallbacks": stats["fallbacks"] + stats["worker_fallbacks"],
+        # Once an epoch, not per batch: the Loader's start, the workers' start
+        # and the arena's growth, through the warm-up batches.
+        "setup_ms": {name: g[0] * 1e3 for name, g in setup.items()},
+        "arena_mb": stats["pool_capacity"] / 1e6,
     }
 
 
@@ -276,6 +282,8 @@ def _print(case: str, mode: str, m: dict) -> None:
     print(f"{case:7s} {mode:5s} total {m['total_ms']:.3f} ms/batch "
           f"(process_time {m['process_time_ms']:.3f}), fastpin {m['fastpin_ms']:.3f}, "
           f"wall {m['wall_ms']:.3f}, fallbacks {m['fallbacks']:.0f}")
+    setup = ", ".join(f"{k} {v:.1f}" for k, v in sorted(m["setup_ms"].items()) if v >= 0.05)
+    print(f"    once an epoch (start, arena of {m['arena_mb']:.0f} MB, warm-up): {setup} ms")
     for name, v in sorted(m["groups_ms"].items(), key=lambda kv: -kv[1]):
         print(f"    {name:22s} {v:8.3f} ms  ({m['groups_ticks_ms'][name]:.2f} by ticks, "
               f"{m['groups_minflt'][name]:.1f} minor faults, "
