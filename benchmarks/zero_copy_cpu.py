@@ -4,7 +4,7 @@ batch's bytes and shape). Runs with or without a GPU:
 
     PYTHONPATH=$PWD python benchmarks/zero_copy_cpu.py [--workers 2] [--batches 200]
         [--epochs 3] [--case images clips tokens] [--device host cuda] [--pin-memory]
-        [--json OUT]
+        [--delay S] [--json OUT]
 
 Cases (in-memory datasets, every sample its own pattern, a DataLoader with
 default settings but num_workers): uint8 images 3x224x224 with an int label,
@@ -66,6 +66,15 @@ def _pattern(shape, dtype, seed: int) -> torch.Tensor:
     return x.to(dtype).reshape(shape)
 
 
+# Seconds each sample's read sleeps (--delay): a slower source, same bytes.
+DELAY = 0.0
+
+
+def _wait() -> None:
+    if DELAY:
+        time.sleep(DELAY)
+
+
 class _Pairs(Dataset):
     """`distinct` patterned samples of one shape and dtype, with int labels."""
 
@@ -77,6 +86,7 @@ class _Pairs(Dataset):
         return self.length
 
     def __getitem__(self, i):
+        _wait()
         return self.data[i % len(self.data)], i
 
 
@@ -92,6 +102,7 @@ class _Windows(Dataset):
         return self.length
 
     def __getitem__(self, i):
+        _wait()
         j = i % len(self.tokens)
         return {"tokens": self.tokens[j], "mask": self.mask[j], "length": 4096 - j}
 
@@ -303,8 +314,13 @@ def main(argv=None) -> None:
                    help="default: host, and cuda where a GPU is present")
     p.add_argument("--pin-memory", action="store_true",
                    help="DataLoader(pin_memory=True): its pin thread runs too")
+    p.add_argument("--delay", type=float, default=0.0,
+                   help="seconds each sample's read sleeps in the worker: more time between "
+                        "batches, the same bytes")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
+    global DELAY
+    DELAY = args.delay
     modes = args.device or (["host", "cuda"] if torch.cuda.is_available() else ["host"])
     _install()
     print(f"fastpin from {os.path.dirname(fastpin.__file__)}; {args.workers} workers, "
@@ -318,7 +334,7 @@ def main(argv=None) -> None:
             m = _median(runs)
             _print(case, mode, m)
             results.append({"case": case, "device": mode, "workers": args.workers,
-                            "pin_memory": args.pin_memory,
+                            "pin_memory": args.pin_memory, "delay": args.delay,
                             "batches": args.batches, "median": m, "epochs": runs})
     if args.json:
         with open(args.json, "w") as f:
