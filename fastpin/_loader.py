@@ -362,6 +362,7 @@ class _Producer:
 
     def run(self) -> None:
         source = self.source
+        _numa.name_this_thread(self.thread.name)  # in /proc and perf too, not only in Python
         try:
             if self.copy_stream is not None:
                 # Before any other CUDA call of this thread: a new thread's

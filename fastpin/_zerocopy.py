@@ -19,14 +19,9 @@ DataLoader as it was. The collate_fn a worker runs is fixed when the worker
 starts: persistent workers keep theirs for their lifetime, so the view (which
 holds them) and the arena they write into live as long as the Loader does.
 
-The arena sizes itself unless the user gives its capacity (Pool): it starts
-empty, and a worker whose batch finds no room the pool was not yet sized for
-asks the main process for more, through a small shared directory; a thread
-there adds a segment (another shared arena, registered once) so that the pool
-holds capacity_for() that batch, never more than its cap, and the workers open
-it. Workers started before the segment existed open it through the creator's
-/proc/<pid>/fd; where that is refused, they fall back until the next epoch's
-workers, which carry every segment.
+The arena sizes itself unless the user gives its capacity (_segments.Pool:
+it starts empty and adds segments, shared arenas registered once, as the
+workers ask for room through a small shared directory).
 
 A worker that finds the arena full falls back to the ordinary collate path
 (the main process then pins by copy) and counts it; blocks of a worker that
@@ -34,14 +29,8 @@ died before its batch arrived are reclaimed at the end of the epoch.
 """
 from __future__ import annotations
 
-import logging
-import mmap
 import os
-import select
-import struct
 import threading
-import time
-import weakref
 from multiprocessing import reduction
 from typing import Any, Callable, Optional
 
@@ -56,15 +45,20 @@ from torch.utils.data._utils.collate import (
 
 from . import _C
 from . import _leaves
+from ._segments import (  # noqa: F401 - the names the Loader, the bench and tests use here
+    Pool,
+    _arenas,
+    _memory_bytes,
+    _registry,
+    batches_ahead,
+    capacity_for,
+    default_cap,
+    directory_for,
+    register,
+)
 from ._leaves import Plan, Stack, stackable
 from ._walk import flatten, map_leaves, unflatten
 
-log = logging.getLogger("fastpin")
-
-# The arenas this process made whose blocks may arrive here, by token. A
-# forked child inherits its parent's: _registry() forgets them there.
-_arenas: "weakref.WeakValueDictionary[int, _C.Arena]" = weakref.WeakValueDictionary()
-_arenas_pid = os.getpid()
 # Worker processes: the arenas attached there, by token, with the attaching pid.
 _attached: dict = {}
 _attach_lock = threading.Lock()
@@ -73,20 +67,6 @@ _attach_lock = threading.Lock()
 # on each page of each block they first write (benchmarks/profile_zero_copy.py
 # measures both).
 PREFAULT = True
-
-
-def _registry() -> "weakref.WeakValueDictionary[int, _C.Arena]":
-    """The arenas this process registered (none of a parent's, after fork)."""
-    global _arenas_pid
-    if _arenas_pid != os.getpid():
-        _arenas.clear()
-        _arenas_pid = os.getpid()
-    return _arenas
-
-
-def register(arena: _C.Arena) -> None:
-    """Let blocks of `arena` shipped by workers be adopted in this process."""
-    _registry()[arena.token] = arena
 
 
 # ---- the worker side ---------------------------------------------------------
@@ -213,100 +193,6 @@ def _attach(fd: int, token: int) -> _C.Arena:
         return entry[1]
 
 
-# ---- the directory of a self-sizing pool ----------------------------------------
-#
-# A small shared memfd through which workers ask the main process for room and
-# learn of the segments (shared arenas) it adds. Fields are 8-byte words; the
-# main process writes a segment's entry before it raises `count`.
-_DIR_COUNT, _DIR_SERVED, _DIR_WANTED, _DIR_CLOSED, _DIR_FALLBACKS = 0, 8, 16, 24, 32
-_DIR_ENTRIES = 64           # then (fd in the creator, token, capacity) per segment
-_MAX_SEGMENTS = 64
-_DIR_BYTES = _DIR_ENTRIES + 24 * _MAX_SEGMENTS
-_CAPPED = 1 << 62           # _DIR_SERVED once the pool can grow no more
-# How long a worker waits for the main process to add a segment before it
-# falls back: registering a few GB takes a second or two.
-GROW_WAIT_S = 30.0
-
-
-def _word(view, at: int) -> int:
-    return struct.unpack_from("<Q", view, at)[0]
-
-
-def _set_word(view, at: int, value: int) -> None:
-    struct.pack_into("<Q", view, at, value)
-
-
-def _open_segment(creator: int, fd: int) -> int:
-    """A segment made after this worker started: opened through the creator's
-    descriptor table (the same file, so the same memory). Raises OSError where
-    that is not permitted (another user, a hardened /proc)."""
-    return os.open(f"/proc/{creator}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-
-
-class _Directory:
-    """A worker's view of a pool's directory: the segments it has attached,
-    newest first, and the way to ask for more."""
-
-    def __init__(self, fd: int, wake: int, creator: int, carried: dict):
-        self.map = mmap.mmap(fd, _DIR_BYTES)
-        self.wake, self.creator, self.carried = wake, creator, carried
-        self.seen = 0
-        self.arenas: list = []   # newest first
-
-    def refresh(self) -> None:
-        count = min(_word(self.map, _DIR_COUNT), _MAX_SEGMENTS)
-        while self.seen < count:
-            at = _DIR_ENTRIES + 24 * self.seen
-            fd, token = _word(self.map, at), _word(self.map, at + 8)
-            own = _registry().get(token)
-            if own is None and token in self.carried:
-                own = _attach(self.carried[token], token)
-            if own is None:
-                try:
-                    local = _open_segment(self.creator, fd)
-                except OSError:
-                    return  # not reachable from here: batches that need it fall back
-                try:
-                    own = _attach(local, token)
-                finally:
-                    os.close(local)
-            self.arenas.insert(0, own)
-            self.seen += 1
-
-    def may_grow(self, need: int) -> bool:
-        """Whether the main process has yet to size the pool for blocks of `need`."""
-        return not _word(self.map, _DIR_CLOSED) and _word(self.map, _DIR_SERVED) < need
-
-    def ask(self, need: int) -> bool:
-        """Ask for room for blocks of `need` bytes; wait (bounded) for the answer.
-        True when the pool grew (or was sized for `need`), so packing may succeed."""
-        # Racy between workers (a plain read then write): a lost request is
-        # made again by the next batch that finds no room.
-        if _word(self.map, _DIR_WANTED) < need:
-            _set_word(self.map, _DIR_WANTED, need)
-        try:
-            os.eventfd_write(self.wake, 1)
-        except OSError:
-            return False
-        deadline = time.monotonic() + GROW_WAIT_S
-        delay = 0.0005
-        while time.monotonic() < deadline and not _word(self.map, _DIR_CLOSED):
-            if _word(self.map, _DIR_SERVED) >= need:   # grown for it, or at the cap
-                self.refresh()
-                return True
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
-        return False
-
-    def count_fallback(self) -> None:
-        # Before the pool has a segment to count in; racy, so a lower bound.
-        _set_word(self.map, _DIR_FALLBACKS, _word(self.map, _DIR_FALLBACKS) + 1)
-
-
-_directories: dict = {}   # pool id -> (pid, _Directory), in workers
-_pools: "weakref.WeakValueDictionary[int, Pool]" = weakref.WeakValueDictionary()  # main process
-
-
 class _WorkerCollate:
     """The collate_fn DataLoader workers run in zero-copy mode. It carries the
     identity of the arenas it writes into (file descriptor and token: `segments`,
@@ -341,24 +227,9 @@ class _WorkerCollate:
         """(the arenas to try, newest first; this pool's directory or None)."""
         if self.directory is None:
             return [_attach(fd, token) for fd, token in self.segments], None
-        pool, dir_fd, wake, creator = self.directory
-        if creator == os.getpid():
-            # Collating in the main process (num_workers=0): the pool's own
-            # view, which goes with the pool.
-            own = _pools.get(pool)
-            if own is None:
-                return [], None
-            if own.local is None:
-                own.local = _Directory(dir_fd, wake, creator, {})
-            directory = own.local
-        else:
-            entry = _directories.get(pool)
-            if entry is None or entry[0] != os.getpid():
-                carried = dict((token, fd) for fd, token in self.segments)
-                entry = _directories[pool] = (os.getpid(),
-                                              _Directory(dir_fd, wake, creator, carried))
-            directory = entry[1]
-        directory.refresh()
+        directory = directory_for(self.directory, self.segments, _attach)
+        if directory is None:
+            return [], None
         return directory.arenas, directory
 
     def __call__(self, samples):
@@ -391,229 +262,11 @@ class _WorkerCollate:
         return _stack_now(tree) if self.collate_fn is None else tree
 
 
-def batches_ahead(loader) -> int:
-    """Batches a DataLoader's workers hold at once (num_workers x prefetch_factor;
-    one when it collates in this process)."""
-    return (loader.prefetch_factor or 2) * loader.num_workers if loader.num_workers else 1
-
-
-def capacity_for(loader, batch_bytes: int, depth: int) -> int:
-    """Bytes of shared arena that zero-copy over `loader` needs for batches of
-    `batch_bytes`: the workers' batches in flight, the Loader's depth, and 6 more
-    (one being copied, copies queued on the bus, slack), each block its size class."""
-    return _C.block_size(max(batch_bytes, 1)) * (batches_ahead(loader) + depth + 6)
-
-
 def wrap_collate(collate_fn: Optional[Callable], pool: "Pool") -> _WorkerCollate:
     """The collate_fn for workers that write into `pool`'s segments."""
     if collate_fn is default_collate:
         collate_fn = None
     return _WorkerCollate(collate_fn, pool.carried, pool.directory)
-
-
-_MiB = 1 << 20
-_GiB = 1 << 30
-
-
-def _memory_bytes() -> int:
-    """The memory this process may use: the machine's, or its cgroup's limit."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                value = f.read().strip()
-        except OSError:
-            continue
-        if value.isdigit():
-            total = min(total, int(value))
-    return total
-
-
-def default_cap(registered: bool) -> int:
-    """The most a self-sizing shared arena grows to, bytes: FASTPIN_ZERO_COPY_MAX_BYTES,
-    else a quarter of the memory this process may use and, when the arena is
-    page-locked, half of RLIMIT_MEMLOCK where that limit was set for it: finite
-    and at least 2 GiB. The small defaults (64 KiB, 8 MiB) are ignored: the CUDA
-    driver pins registered memory itself and does not charge it there (fastpin's
-    1 GiB default arena is page-locked under them); should a registration be
-    refused all the same, the arena stops growing and batches fall back."""
-    value = os.environ.get("FASTPIN_ZERO_COPY_MAX_BYTES", "")
-    if value:
-        try:
-            return max(int(value), 1)
-        except ValueError:
-            raise ValueError("FASTPIN_ZERO_COPY_MAX_BYTES must be an integer number of bytes, "
-                             f"not {value!r}") from None
-    cap = _memory_bytes() // 4
-    if registered:
-        try:
-            import resource
-
-            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-            if soft != resource.RLIM_INFINITY and soft // 2 >= _GiB:
-                cap = min(cap, soft // 2)
-        except (ImportError, OSError, ValueError):
-            pass
-    return cap
-
-
-def _close_directory(creator: int, view, fds: tuple, wake: int) -> None:
-    """A pool's end (in the process that made it): workers stop waiting for it."""
-    if os.getpid() != creator:
-        return  # a forked child's copy: the pool is its parent's
-    try:
-        _set_word(view, _DIR_CLOSED, 1)
-        os.eventfd_write(wake, 1)  # the grower thread wakes, sees it, and closes up
-    except (OSError, ValueError):
-        pass
-
-
-class Pool:
-    """The shared arena of one Loader's workers: one or more segments (shared
-    arenas, each registered with CUDA once, in this process).
-
-    Fixed (capacity or arena given): one segment, made up front. Self-sizing
-    (neither given): no memory until the first batch. A worker that finds no
-    room for a batch the pool has not yet been sized for asks through the
-    directory and waits (at most GROW_WAIT_S); a thread here adds a segment so
-    that the pool holds capacity_for(loader, that batch, depth) in all, never
-    more than `cap`, and workers open it (spawned before it existed: through
-    /proc/<this pid>/fd). A pool sized for the batch that is simply full of
-    batches in flight falls back at once, as a fixed one does: never a deadlock.
-    """
-
-    def __init__(self, make: Callable[[int], _C.Arena], *, loader, depth: int, cap: int,
-                 arena: Optional[_C.Arena] = None, capacity: Optional[int] = None):
-        self.make = make
-        self.loader, self.depth = loader, depth
-        self.segments: list = []   # _C.Arena, newest first
-        self.carried: list = []    # (fd, token) of each, newest first: what workers carry
-        self.directory = None
-        self.cap = cap
-        self.capped = False
-        self.lock = threading.Lock()
-        if arena is None and capacity is not None:
-            arena = make(capacity)
-        if arena is not None:
-            self.fixed = True
-            self._add(arena)
-            return
-        self.fixed = False
-        self.creator = os.getpid()
-        dir_fd = os.memfd_create("fastpin-pool")
-        os.ftruncate(dir_fd, _DIR_BYTES)
-        self.view = mmap.mmap(dir_fd, _DIR_BYTES)
-        self.wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self.directory = (struct.unpack("<Q", os.urandom(8))[0], dir_fd, self.wake, self.creator)
-        self.local: Optional[_Directory] = None  # collating here (num_workers=0)
-        _pools[self.directory[0]] = self
-        self._finalizer = weakref.finalize(self, _close_directory, self.creator, self.view,
-                                           (dir_fd,), self.wake)
-        self.thread = threading.Thread(target=_grower, name="fastpin-pool",
-                                       args=(weakref.ref(self), self.view, dir_fd, self.wake),
-                                       daemon=True)
-        self.thread.start()
-
-    def _add(self, arena: _C.Arena) -> None:
-        register(arena)
-        self.segments.insert(0, arena)
-        self.carried.insert(0, (arena.fd, arena.token))
-
-    def newest(self) -> Optional[_C.Arena]:
-        return self.segments[0] if self.segments else None
-
-    @property
-    def capacity(self) -> int:
-        return sum(a.capacity for a in self.segments)
-
-    def grow(self) -> None:
-        """Serve the workers' requests (the grower thread): add a segment so the
-        pool holds what capacity_for says for the largest block asked for."""
-        view = self.view
-        with self.lock:
-            wanted, served = _word(view, _DIR_WANTED), _word(view, _DIR_SERVED)
-            if wanted <= served or self.capped:
-                return
-            have = self.capacity
-            target = min(wanted * (batches_ahead(self.loader) + self.depth + 6), self.cap)
-            add = target - have
-            if add < wanted:   # no room for even one more such block under the cap
-                add = wanted if have + wanted <= self.cap else 0
-            add = min(-(-add // (2 * _MiB)) * 2 * _MiB, self.cap - have) if add else 0
-            if add < wanted or len(self.segments) >= _MAX_SEGMENTS:
-                self._cap_reached()
-                return
-            try:
-                arena = self.make(add)
-            except (_C.FastpinError, OSError) as e:
-                log.warning("fastpin.Loader(zero_copy=True): could not add %d bytes to the shared "
-                            "arena (%s); it stays at %d bytes, and batches that do not fit are "
-                            "pinned by copy", add, str(e), have)
-                self._cap_reached()
-                return
-            self._add(arena)
-            at = _DIR_ENTRIES + 24 * (len(self.segments) - 1)
-            _set_word(view, at, arena.fd)
-            _set_word(view, at + 8, arena.token)
-            _set_word(view, at + 16, arena.capacity)
-            _set_word(view, _DIR_COUNT, len(self.segments))
-            _set_word(view, _DIR_SERVED, wanted)
-            log.debug("fastpin: shared arena grown by %d bytes to %d for blocks of %d bytes",
-                      add, have + add, wanted)
-
-    def _cap_reached(self) -> None:
-        self.capped = True
-        _set_word(self.view, _DIR_SERVED, _CAPPED)
-
-    def collect(self) -> None:
-        for arena in self.segments:
-            arena.collect()
-
-    def reclaim(self) -> None:
-        for arena in self.segments:
-            arena.reclaim()
-
-    def stats(self) -> Optional[dict]:
-        """The segments' stats summed (capacity, high_water, fallbacks), or None
-        before the first segment is made."""
-        if not self.segments:
-            if self.fixed or self.directory is None:
-                return None
-            return {"capacity": 0, "high_water": 0, "numa_node": -1,
-                    "fallbacks": _word(self.view, _DIR_FALLBACKS)}
-        per = [a.stats() for a in self.segments]
-        out = dict(per[0])
-        for key in ("capacity", "high_water", "fallbacks", "bytes_in_use"):
-            out[key] = sum(p.get(key, 0) for p in per)
-        if self.directory is not None:
-            out["fallbacks"] += _word(self.view, _DIR_FALLBACKS)
-        return out
-
-
-def _grower(pool_ref, view, dir_fd: int, wake: int) -> None:
-    """The thread that adds segments when workers ask; it holds the pool only
-    while it grows it, and closes the directory when the pool is gone."""
-    try:
-        while True:
-            select.select([wake], [], [], 1.0)
-            try:
-                os.eventfd_read(wake)
-            except BlockingIOError:
-                pass
-            if _word(view, _DIR_CLOSED):
-                return
-            pool = pool_ref()
-            if pool is None:
-                return
-            try:
-                pool.grow()
-            except Exception:  # noqa: BLE001 - never crash; workers time out and fall back
-                log.exception("fastpin: growing the shared arena failed")
-            del pool
-    finally:
-        view.close()
-        os.close(dir_fd)
-        os.close(wake)
 
 
 def dataloader_view(loader, collate_fn: Callable):

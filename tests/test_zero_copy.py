@@ -307,3 +307,54 @@ def test_device_views_match_host_views():
     del views, buffer, block
     gc.collect()
     assert arena.is_valid()
+
+
+class _Rows(Dataset):
+    """1 MB patterned uint8 rows."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def _thread_minor_faults() -> int:
+    with open("/proc/thread-self/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[7])  # stat's field 10
+
+
+def test_adoption_touches_no_page_of_the_batch_and_copies_nothing():
+    """Issue 14's zero-copy CPU target: what the main process does for a batch
+    must not depend on its bytes. Adopting a 16 MB batch that a forked worker
+    wrote (4,096 pages this process never touched) and making its tensor
+    reads none of them, and the tensor lies in the shared arena."""
+    from conftest import patterned
+
+    from fastpin import _zerocopy
+
+    rows = patterned((48, MB), torch.uint8, 14)
+    arena = _C.Arena(96 * MB, shared=True, cuda=False)
+    pool = _zerocopy.Pool(None, loader=None, depth=1, cap=arena.capacity, arena=arena)
+    dl = DataLoader(_Rows(rows), batch_size=16, num_workers=1, multiprocessing_context="fork",
+                    prefetch_factor=1)
+    view = _zerocopy.dataloader_view(dl, _zerocopy.wrap_collate(dl.collate_fn, pool))
+    it = iter(view)
+    time.sleep(1.0)  # let the worker write its batches before the count starts
+    faults = []
+    for first in (0, 16, 32):
+        before = _thread_minor_faults()
+        batch, adopted = _zerocopy.receive(_zerocopy.adopted(next(it)))
+        faults.append(_thread_minor_faults() - before)
+        assert adopted and inside(batch, arena)
+        assert torch.equal(batch, rows[first:first + 16])  # read only after the count
+        del batch
+    del it
+    # The page tables, the unpickler and the queue fault a few pages; a touch
+    # or a copy of the batch would fault 4,096. The first batch is not
+    # counted: its first calls import and allocate.
+    assert max(faults[1:]) < 256, faults
+    assert blocks_settle(arena) == 0

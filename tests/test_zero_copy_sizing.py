@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import fastpin
-from fastpin import _C, _zerocopy
+from fastpin import _C, _segments, _zerocopy
 
 from conftest import assert_same, gpu, patterned
 from test_zero_copy_reuse import nothing_left_behind  # noqa: F401 - a fixture
@@ -214,7 +214,7 @@ def test_segments_the_workers_cannot_open_fall_back_until_the_next_epoch(
     # Forked workers inherit the patch: /proc/<pid>/fd refused, as under a
     # hardened /proc. The first epoch falls back (never waits long), the next
     # epoch's workers carry the segment from the start.
-    monkeypatch.setattr(_zerocopy, "_open_segment", _refused)
+    monkeypatch.setattr(_segments, "_open_segment", _refused)
     numel = MB // 4 // 4
     dl = DataLoader(Samples(24, numel), batch_size=4, num_workers=2,
                     multiprocessing_context="fork")
