@@ -173,7 +173,7 @@ class _Shipped:
         return self  # DataLoader's pin thread: already pinned
 
 
-class _Adopted:
+class Adopted:
     """A shipped batch in the main process, its block adopted."""
 
     __slots__ = ("block", "tree")
@@ -191,7 +191,7 @@ def _adopt(token, index, nbytes, tree):
         raise RuntimeError(
             "fastpin: a batch arrived from a zero-copy worker, but its arena is not known in "
             "this process (unpickled outside the Loader that made it?)")
-    return _Adopted(arena.adopt(index, nbytes), tree)
+    return Adopted(arena.adopt(index, nbytes), tree)
 
 
 def _attach(fd: int, token: int) -> _C.Arena:
@@ -638,7 +638,7 @@ def _leaf_out(block, ref: _Ref):
 
 
 def adopted(batch: Any) -> Any:
-    """The batch as the main process holds it: an _Adopted for a batch a worker
+    """The batch as the main process holds it: an Adopted for a batch a worker
     placed in the arena (also one collated here, num_workers=0), else as it came."""
     if isinstance(batch, _Shipped):  # collated in this process (num_workers=0)
         if batch.block is not None:
@@ -651,7 +651,7 @@ def receive(batch: Any, consumer_stream: Any = None) -> tuple:
     """For a batch as adopted() gives it: (batch with tensors over the adopted
     block, True), or (batch, False) for a batch that came the ordinary way (a
     worker fell back)."""
-    if not isinstance(batch, _Adopted):
+    if not isinstance(batch, Adopted):
         return batch, False
     block = batch.block
     if consumer_stream is not None:
@@ -659,7 +659,7 @@ def receive(batch: Any, consumer_stream: Any = None) -> tuple:
     return map_leaves(batch.tree, lambda x: isinstance(x, _Ref), lambda r: _leaf_out(block, r)), True
 
 
-def device_views(batch: "_Adopted", buffer: torch.Tensor) -> Optional[Any]:
+def device_views(batch: "Adopted", buffer: torch.Tensor) -> Optional[Any]:
     """The batch's tree with each leaf a view of `buffer`, a device tensor of the
     block's bytes that one copy fills; None when a leaf has a NumPy dtype torch
     does not know (the caller then takes the ordinary path, which says so)."""
