@@ -27,7 +27,8 @@ import weakref
 from typing import Any, Iterable, Optional
 
 from . import _C, _graphs, _modes, _numa, _torch
-from ._arena import _check_int, check_capacity, cuda_available, default_arena, device_index
+from ._arena import cuda_available, default_arena, device_index
+from ._runtime import check_capacity, check_int, process
 
 log = logging.getLogger("fastpin")
 
@@ -37,18 +38,14 @@ _POLL = 0.1       # seconds between checks of the stop flag while blocked
 # (queueing or preparing a batch: bounded work) before abandoning it.
 _GRACE = 1.0
 
-# Producers still running, so that interpreter exit can stop them without
-# waiting on any (a worker may hang forever; the DataLoader's own exit path,
-# multiprocessing's atexit, terminates its workers without waiting either).
-_producers: "weakref.WeakSet[_Producer]" = weakref.WeakSet()
-_exiting = False
-
 
 @atexit.register
 def _at_exit() -> None:
-    global _exiting
-    _exiting = True
-    for producer in list(_producers):
+    """Stop the producers still running (process.producers) without waiting on
+    any: a worker may hang forever; the DataLoader's own exit path,
+    multiprocessing's atexit, terminates its workers without waiting either."""
+    process.exiting = True
+    for producer in list(process.producers):
         producer.stop.set()
 
 
@@ -110,7 +107,7 @@ class Loader:
                  capacity: Optional[int] = None, max_capacity: Optional[int] = None):
         torch = _torch.require("fastpin.Loader")
 
-        depth = _check_int("fastpin.Loader: depth", depth, 0, None, "0 (no prefetch) or more batches")
+        depth = check_int("fastpin.Loader: depth", depth, 0, None, "0 (no prefetch) or more batches")
         if not isinstance(zero_copy, bool):
             raise TypeError(f"fastpin.Loader: zero_copy must be True or False, not {zero_copy!r}")
         if arena is not None and not isinstance(arena, _C.Arena):
@@ -296,7 +293,7 @@ class _Producer:
         self.previous = previous if previous is not None and not _worker_backed(previous.source) else None
         self.thread = threading.Thread(target=self.run, name="fastpin-loader", daemon=True)
         if start:
-            _producers.add(self)
+            process.producers.add(self)
             self.thread.start()
 
     def run(self) -> None:
@@ -342,7 +339,7 @@ class _Producer:
             self.source = source = None
             if self.stop.is_set():
                 self.drain()  # what a stopped epoch queued goes, never to nobody
-            if not _exiting:
+            if not process.exiting:
                 mode.end()
 
     def put(self, item) -> None:
@@ -383,7 +380,7 @@ class _Producer:
         down here, just as the DataLoader's own __del__ would at this point.
         Safe from any thread."""
         self.halt()
-        if _exiting or threading.current_thread() is self.thread or not self.thread.is_alive():
+        if process.exiting or threading.current_thread() is self.thread or not self.thread.is_alive():
             return
         deadline = time.monotonic() + _GRACE
         while self.thread.is_alive() and not self.in_source and time.monotonic() < deadline:

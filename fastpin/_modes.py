@@ -265,7 +265,8 @@ class CopyToDevice(PassThrough):
         out = map_leaves(batch, lambda x: isinstance(x, (torch.Tensor, np.ndarray)), leaf)
         return out, self.issue(copies, keep), made
 
-    from_adopted = prepare
+    def from_adopted(self, batch):
+        return self.prepare(batch)
 
     def from_block(self, batch):
         """One copy of the whole block into one device buffer, its leaves views

@@ -57,17 +57,16 @@ from torch.utils.data._utils.collate import (
 from . import _C
 from . import _leaves
 from ._leaves import Plan, Stack, stackable
+from ._runtime import process
 from ._walk import flatten, map_leaves, unflatten
 
 log = logging.getLogger("fastpin")
 
-# The arenas this process made whose blocks may arrive here, by token. A
-# forked child inherits its parent's: _registry() forgets them there.
-_arenas: "weakref.WeakValueDictionary[int, _C.Arena]" = weakref.WeakValueDictionary()
-_arenas_pid = os.getpid()
-# Worker processes: the arenas attached there, by token, with the attaching pid.
-_attached: dict = {}
-_attach_lock = threading.Lock()
+# This process's registries, held by _runtime (a forked child's are empty):
+# the arenas it made whose blocks may arrive here, by token; in worker
+# processes, the arenas attached there, by token.
+_arenas = process.shared
+_attached = process.attached
 
 # Workers map the whole registered arena when they attach, rather than fault
 # on each page of each block they first write (benchmarks/profile_zero_copy.py
@@ -77,10 +76,6 @@ PREFAULT = True
 
 def _registry() -> "weakref.WeakValueDictionary[int, _C.Arena]":
     """The arenas this process registered (none of a parent's, after fork)."""
-    global _arenas_pid
-    if _arenas_pid != os.getpid():
-        _arenas.clear()
-        _arenas_pid = os.getpid()
     return _arenas
 
 
@@ -199,9 +194,9 @@ def _attach(fd: int, token: int) -> _C.Arena:
     own = _registry().get(token)
     if own is not None:
         return own  # collating in the main process (num_workers=0)
-    with _attach_lock:
-        entry = _attached.get(token)
-        if entry is None or entry[0] != os.getpid():
+    with process.lock:
+        arena = _attached.get(token)
+        if arena is None:
             arena = _C.Arena.attach(fd)
             if arena.token != token:
                 raise RuntimeError("fastpin: the file descriptor does not hold the expected arena")
@@ -209,8 +204,8 @@ def _attach(fd: int, token: int) -> _C.Arena:
                 arena.prefault()
             # A worker copies on its own thread: the DataLoader runs many.
             _C.set_threads(1)
-            entry = _attached[token] = (os.getpid(), arena)
-        return entry[1]
+            _attached[token] = arena
+        return arena
 
 
 # ---- the directory of a self-sizing pool ----------------------------------------
@@ -303,8 +298,8 @@ class _Directory:
         _set_word(self.map, _DIR_FALLBACKS, _word(self.map, _DIR_FALLBACKS) + 1)
 
 
-_directories: dict = {}   # pool id -> (pid, _Directory), in workers
-_pools: "weakref.WeakValueDictionary[int, Pool]" = weakref.WeakValueDictionary()  # main process
+_directories = process.directories   # pool id -> _Directory, in workers
+_pools = process.pools               # pool id -> Pool, in the process that made it
 
 
 class _WorkerCollate:
@@ -352,12 +347,10 @@ class _WorkerCollate:
                 own.local = _Directory(dir_fd, wake, creator, {})
             directory = own.local
         else:
-            entry = _directories.get(pool)
-            if entry is None or entry[0] != os.getpid():
+            directory = _directories.get(pool)
+            if directory is None:
                 carried = dict((token, fd) for fd, token in self.segments)
-                entry = _directories[pool] = (os.getpid(),
-                                              _Directory(dir_fd, wake, creator, carried))
-            directory = entry[1]
+                directory = _directories[pool] = _Directory(dir_fd, wake, creator, carried)
         directory.refresh()
         return directory.arenas, directory
 
