@@ -3,7 +3,8 @@ small batches (num_workers=0), the plain DataLoader's epoch beside it, in
 microseconds per batch (median of several epochs, one process). The Loader's
 own share is the difference. Modes without a GPU: device="cpu" (pass
 through) and device=None (pinned on the host), each with a thread (depth=2)
-and without (depth=0).
+and without (depth=0); then the same batches from a list, without a thread:
+the Loader's own per-batch cost alone.
 
     PYTHONPATH=$PWD python benchmarks/loader_per_batch.py [--batches N] [--epochs N]
 """
@@ -54,6 +55,13 @@ def main() -> None:
             us = epoch_us(fastpin.Loader(dl, device=device, depth=depth), args.batches, args.epochs)
             print(f"Loader(device={device!r}, depth={depth}): {us:.1f} us/batch "
                   f"(+{us - plain:.1f})")
+    # The same batches from a list: the Loader's own cost, without the DataLoader's
+    # (short epochs: more of them).
+    batches = list(dl)
+    for device in ("cpu", None):
+        us = epoch_us(fastpin.Loader(batches, device=device, depth=0), args.batches,
+                      4 * args.epochs)
+        print(f"Loader(list, device={device!r}, depth=0): {us:.1f} us/batch")
 
 
 if __name__ == "__main__":
