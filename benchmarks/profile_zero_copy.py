@@ -29,7 +29,7 @@ from torch.utils.data import _utils
 from torch.utils.data import dataloader as dl_mod
 
 import fastpin
-from fastpin import _loader, _zerocopy, bench
+from fastpin import _loader, _modes, _zerocopy, bench
 
 _MAX_WORKERS = 64
 _FIELDS = ("batches", "fetch_s", "collate_s", "pack_s", "minflt", "between_s")
@@ -79,11 +79,11 @@ def _install_timers():
     it_cls._next_data = timers.wrap("DataLoader next", it_cls._next_data)
     _zerocopy._adopt = timers.wrap("adopt (unpickle)", _zerocopy._adopt)
     _zerocopy.receive = timers.wrap("receive (from_dlpack)", _zerocopy.receive)
-    _loader._Producer.prepare = timers.wrap("prepare (all)", _loader._Producer.prepare)
-    _loader._Producer.to_device = timers.wrap("to_device", _loader._Producer.to_device)
-    _loader._Producer.issue = timers.wrap("issue (h2d, event)", _loader._Producer.issue)
-    _loader._Producer.block_to_device = timers.wrap("block_to_device",
-                                                    _loader._Producer.block_to_device)
+    _modes.Adopt.prepare = timers.wrap("prepare (all)", _modes.Adopt.prepare)
+    _modes.CopyToDevice.prepare = timers.wrap("to_device", _modes.CopyToDevice.prepare)
+    _modes.CopyToDevice.issue = timers.wrap("issue (h2d, event)", _modes.CopyToDevice.issue)
+    _modes.CopyToDevice.from_block = timers.wrap("block_to_device",
+                                                 _modes.CopyToDevice.from_block)
     _zerocopy.adopted = timers.wrap("adopted", _zerocopy.adopted)
     _loader._Epoch.__next__ = timers.wrap("consumer next", _loader._Epoch.__next__)
 

@@ -28,7 +28,7 @@ def stats() -> dict:
     class, ...), or "arena": None before anything made it: reading stats
     page-locks nothing."""
     from ._arena import made_default_arena
-    from ._pin import counters
+    from ._runtime import counters
     arena = made_default_arena()
     return {**counters(), "arena": None if arena is None else arena.stats()}
 

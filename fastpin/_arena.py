@@ -1,88 +1,32 @@
-"""The process's default arenas (one per GPU) and fastpin's configuration."""
+"""The process's default arenas (one per GPU), and fastpin.configure() (the
+settings themselves are _runtime's)."""
 from __future__ import annotations
 
 import logging
-import math
-import numbers
-import operator
-import os
 import sys
-import threading
 from typing import Any, NamedTuple, Optional
 
 from . import _C, _numa
+from ._runtime import (
+    MAX_CAPACITY,  # noqa: F401 - fastpin._arena.MAX_CAPACITY, as before
+    MAX_THREADS,
+    ON_FULL,
+    check_bool,
+    check_capacity,
+    check_int,
+    check_seconds,
+    cuda_available,
+    process,
+    settings,
+)
 
 log = logging.getLogger("fastpin")
 
-_GiB = 1 << 30
-
-
-# The largest arena the core can carve (FP_MAX_CAPACITY in csrc/fastpin.h).
-MAX_CAPACITY = _C.MAX_CAPACITY
-MAX_THREADS = 1024  # fp_set_threads' bound
-
-
-def _check_int(name: str, value: Any, lo: int, hi: Optional[int], allowed: str) -> int:
-    """`value` as an int in [lo, hi] (hi None: no bound); the error names the
-    setting and what it may be. bool is refused (True is not a size)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be {allowed}, not {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, {allowed}, not {type(value).__name__} "
-                        f"{value!r}") from None
-    if number < lo or (hi is not None and number > hi):
-        raise ValueError(f"{name} must be {allowed}, not {number}")
-    return number
-
-
-def check_capacity(value: Any, name: str = "capacity") -> int:
-    """An arena cap in bytes: an int from 1 to MAX_CAPACITY (2**43)."""
-    return _check_int(name, value, 1, MAX_CAPACITY,
-                      f"a number of bytes from 1 to {MAX_CAPACITY} (2**43)")
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
-        return bool(value)
-    raise TypeError(f"{name} must be True or False, not {value!r}")
-
-
-def _check_seconds(name: str, value: Any) -> float:
-    """A finite number of seconds >= 0 (nan and inf refused: a wait must end)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds (finite, >= 0), not {value!r}")
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{name} must be a finite number of seconds >= 0, not {value!r}")
-    return seconds
-
-
-def _env_int(name: str, default: int, lo: int, hi: int, allowed: str) -> int:
-    """An integer environment variable, checked at import like the setting it names."""
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    try:
-        number = int(value.strip())
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: must be {allowed}") from None
-    if not lo <= number <= hi:
-        raise ValueError(f"{name}={value!r}: must be {allowed}")
-    return number
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    word = value.strip().lower()
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={value!r}: must be 1 or 0 (or true/false, yes/no, on/off)")
+# The default arenas of this process, by CUDA ordinal (-1: no usable GPU): each
+# is registered in its own device's primary context and records its events
+# there, so a batch read by GPU N is reused only after GPU N is done with it.
+# Held by _runtime (a forked child's is empty).
+_arenas = process.arenas
 
 
 class CudaStatus(NamedTuple):
@@ -104,41 +48,6 @@ def cuda_status() -> CudaStatus:
     s = _C.cuda_status()
     return CudaStatus(s["state"], s["reason"], s["driver_version"], s["device_count"],
                       s["fence"])
-
-
-_cuda_ready = (0, False)  # (pid, answer): asked per batch and per leaf
-
-
-def cuda_available() -> bool:
-    """True when the driver is loaded and a device is visible: memory is then
-    page-locked. Remembered for this process (the driver's state does not change)."""
-    global _cuda_ready
-    pid = os.getpid()
-    if _cuda_ready[0] != pid:
-        _cuda_ready = (pid, _C.cuda_status()["state"] == "ready")
-    return _cuda_ready[1]
-
-
-_lock = threading.Lock()
-_capacity = _env_int("FASTPIN_ARENA_BYTES", _GiB, 1, MAX_CAPACITY,
-                     f"a number of bytes from 1 to {MAX_CAPACITY} (2**43)")
-_device: Optional[int] = None
-ON_FULL = ("fallback", "wait", "raise")
-_policy = {"on_full": os.environ.get("FASTPIN_ON_FULL", "fallback").strip() or "fallback",
-           "wait_timeout": 10.0, "allow_unpinned": _env_flag("FASTPIN_ALLOW_UNPINNED", False)}
-_env_flag("FASTPIN_NUMA", True)  # read by _numa; checked here, with the others, at import
-if _policy["on_full"] not in ON_FULL:
-    raise ValueError(f"FASTPIN_ON_FULL={_policy['on_full']!r}: must be one of "
-                     f"{', '.join(ON_FULL)}")
-# The default arenas of this process, by CUDA ordinal (-1: no usable GPU): each
-# is registered in its own device's primary context and records its events
-# there, so a batch read by GPU N is reused only after GPU N is done with it.
-_arenas: dict = {}
-_arena: Optional[_C.Arena] = None  # the last default arena made (for tests and debugging)
-_arena_pid = 0
-_C.set_threads(_env_int("FASTPIN_THREADS", 0, 1, MAX_THREADS,
-                        f"a number of copy threads from 1 to {MAX_THREADS} (unset: the CPUs "
-                        "this process may use, at most 16)"))
 
 
 def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
@@ -165,49 +74,51 @@ def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
     ArenaFullError at once. allow_unpinned (default False, or
     FASTPIN_ALLOW_UNPINNED=1): when the driver refuses to page-lock the arena,
     warn and go on with ordinary memory instead of raising."""
-    global _capacity, _device, _arena
-    # Every value is checked before any is applied: a bad call changes nothing.
+    # Every value is checked before any is applied: a bad call changes nothing
+    # (the environment's first: it is what the others override).
+    settings.load()
     if on_full is not None and on_full not in ON_FULL:
         raise ValueError(f"on_full must be one of {', '.join(map(repr, ON_FULL))}, "
                          f"not {on_full!r}")
     if wait_timeout is not None:
-        wait_timeout = _check_seconds("wait_timeout", wait_timeout)
+        wait_timeout = check_seconds("wait_timeout", wait_timeout)
     if allow_unpinned is not None:
-        allow_unpinned = _check_bool("allow_unpinned", allow_unpinned)
+        allow_unpinned = check_bool("allow_unpinned", allow_unpinned)
     if numa is not None:
-        numa = _check_bool("numa", numa)
+        numa = check_bool("numa", numa)
     if capacity is not None:
         capacity = check_capacity(capacity)
     if threads is not None:
-        threads = _check_int("threads", threads, 0, MAX_THREADS,
+        threads = check_int("threads", threads, 0, MAX_THREADS,
                              f"0 (the default: the CPUs this process may use, at most 16) "
                              f"to {MAX_THREADS}")
     if device is not None:
         device = _check_device(device)
     if on_full is not None:
-        _policy["on_full"] = on_full
+        settings.on_full = on_full
     if wait_timeout is not None:
-        _policy["wait_timeout"] = wait_timeout
+        settings.wait_timeout = wait_timeout
     if allow_unpinned is not None:
-        _policy["allow_unpinned"] = allow_unpinned
-    with _lock:
-        if capacity is not None and capacity != _capacity:
-            _capacity = capacity
+        settings.allow_unpinned = allow_unpinned
+    with process.lock:
+        if capacity is not None and capacity != settings.capacity:
+            settings.capacity = capacity
             _arenas.clear()
         if device is not None:
-            _device = device
-        if numa is not None and bool(numa) != _numa.enabled():
+            settings.device = device
+        if numa is not None and numa != settings.numa:
             _arenas.clear()
     if numa is not None:
         _numa.set_enabled(numa)
     if threads is not None:
+        settings.threads = threads
         _C.set_threads(threads)
 
 
 def _check_device(device: Any) -> int:
     """configure(device=...): a CUDA ordinal this machine has (any ordinal >= 0
     where no GPU is usable: nothing is registered then)."""
-    index = _check_int("device", device, 0, None, "a CUDA device ordinal >= 0")
+    index = check_int("device", device, 0, None, "a CUDA device ordinal >= 0")
     count = _C.cuda_status()["device_count"]
     if cuda_available() and 0 < count <= index:
         raise ValueError(f"device must be a CUDA device ordinal from 0 to {count - 1} "
@@ -217,14 +128,15 @@ def _check_device(device: Any) -> int:
 
 def get_capacity() -> int:
     """The configured cap of a new arena, bytes."""
-    return _capacity
+    return settings.capacity
 
 
 def _current_device() -> int:
     """The GPU meant when none is named: configure(device=...), else torch's
     current device once torch has initialised CUDA, else 0."""
-    if _device is not None:
-        return _device
+    device = settings.device
+    if device is not None:
+        return device
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.current_device()
@@ -260,7 +172,7 @@ def device_index(device: Any = None) -> int:
 
 def policy() -> dict:
     """The full-arena policy: on_full, wait_timeout, allow_unpinned."""
-    return dict(_policy)
+    return settings.policy()
 
 
 def _memlock_limit() -> str:
@@ -289,7 +201,7 @@ def make_arena(capacity: int, **kwargs) -> _C.Arena:
             "fastpin.configure(capacity=...) or FASTPIN_ARENA_BYTES, raise the locked-memory "
             "limit (ulimit -l, or memlock in the container's limits), or allow unpinned "
             "memory with fastpin.configure(allow_unpinned=True) / FASTPIN_ALLOW_UNPINNED=1")
-        if not _policy["allow_unpinned"]:
+        if not settings.allow_unpinned:
             raise _C.CudaError(message) from None
         import warnings
 
@@ -316,16 +228,10 @@ def make_placed_arena(capacity: int, index: int, **kwargs) -> _C.Arena:
     return arena
 
 
-def _made(index: int) -> Optional[_C.Arena]:
-    """This process's default arena of GPU `index`, if it made one (those a
-    forked child inherited are its parent's)."""
-    return _arenas.get(index) if _arena_pid == os.getpid() else None
-
-
 def made_default_arena(device: Any = None) -> Optional[_C.Arena]:
     """The default arena of `device` if this process has made it, else None:
     unlike default_arena(), it makes (and page-locks) nothing."""
-    return _made(device_index(device))
+    return _arenas.get(device_index(device))
 
 
 def default_arena(device: Any = None) -> _C.Arena:
@@ -333,24 +239,21 @@ def default_arena(device: Any = None) -> _C.Arena:
     the current GPU), made (and page-locked) on first use. Each GPU has its own,
     registered in that GPU's primary context and no other. A forked child gets
     fresh ones: the parent's registration does not cross fork."""
-    global _arena, _arena_pid
     index = device_index(device)
-    arena = _made(index)
+    arena = _arenas.get(index)
     if arena is not None:
         return arena
-    with _lock:
-        if _arena_pid != os.getpid():
-            _arenas.clear()
-            _arena_pid = os.getpid()
+    with process.lock:
         arena = _arenas.get(index)
         if arena is None:
-            arena = _arenas[index] = _arena = make_placed_arena(_capacity, index)
+            capacity = settings.capacity
+            arena = _arenas[index] = make_placed_arena(capacity, index)
             torch = sys.modules.get("torch")
             if arena.registered and torch is not None:
                 # torch answers is_pinned() False until its own CUDA state is
                 # initialised. This makes no context: the arena's device has its
                 # primary context already, and torch's pointer queries use it.
                 torch.cuda.init()
-            log.debug("fastpin: arena of %d bytes for device %d, %s", _capacity, index,
+            log.debug("fastpin: arena of %d bytes for device %d, %s", capacity, index,
                       "page-locked" if arena.registered else "not page-locked (no GPU)")
         return arena

@@ -8,13 +8,12 @@ from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import collate as _collate
 from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
-from ._arena import _policy, default_arena
+from ._arena import default_arena
 from ._leaves import Plan, Stack, stackable
-from ._pin import _count, _Fallback, _pin_with_policy
+from ._pin import Fallback, pin_with_policy
+from ._runtime import count, first, settings
 
 __all__ = ["collate", "stackable"]
-
-_warned_worker = False
 
 
 def _stack_into_arena(batch, *, collate_fn_map=None):
@@ -22,12 +21,12 @@ def _stack_into_arena(batch, *, collate_fn_map=None):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     plan = Plan([Stack(batch)])
     try:
-        block = _pin_with_policy(default_arena(), plan, str(_policy["on_full"]))
-    except _Fallback:
-        _count(fallbacks=1)
+        block = pin_with_policy(default_arena(), plan, settings.on_full)
+    except Fallback:
+        count(fallbacks=1)
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     out, = plan.host(block)
-    _count(leaves=1, nbytes=plan.data_bytes)
+    count(leaves=1, nbytes=plan.data_bytes)
     return out
 
 
@@ -43,10 +42,8 @@ def collate(batch):
     says so once: memory pinned in a worker would not be pinned, nor even
     visible, in the main process (that needs the shared arena of zero-copy mode).
     """
-    global _warned_worker
     if get_worker_info() is not None:
-        if not _warned_worker:
-            _warned_worker = True
+        if first("collate in a worker"):
             warnings.warn(
                 "fastpin.collate in a DataLoader worker collates like default_collate: "
                 "pinned memory made in a worker is of no use to the main process. "
@@ -54,5 +51,5 @@ def collate(batch):
                 RuntimeWarning, stacklevel=2)
         return _collate(batch, collate_fn_map=default_collate_fn_map)
     out = _collate(batch, collate_fn_map=_fn_map)
-    _count(batches=1)
+    count(batches=1)
     return out

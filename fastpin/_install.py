@@ -5,9 +5,9 @@ import threading
 
 from . import _torch
 from ._pin import pin_memory
+from ._runtime import replaced
 
 _lock = threading.Lock()
-_original = None
 
 
 def _target():
@@ -22,22 +22,19 @@ def install() -> None:
     DataLoader's pin thread (and its single-process path) look up
     torch.utils.data._utils.pin_memory.pin_memory at each batch, so loaders
     already made switch over too. Idempotent; undone by uninstall()."""
-    global _original
     module = _target()
     with _lock:
-        if _original is None:
-            _original = module.pin_memory
+        if "pin_memory" not in replaced:
+            replaced["pin_memory"] = module.pin_memory
             module.pin_memory = pin_memory
 
 
 def uninstall() -> None:
     """Restore PyTorch's own pinning function."""
-    global _original
     with _lock:
-        if _original is not None:
-            _target().pin_memory = _original
-            _original = None
+        if "pin_memory" in replaced:
+            _target().pin_memory = replaced.pop("pin_memory")
 
 
 def installed() -> bool:
-    return _original is not None
+    return "pin_memory" in replaced

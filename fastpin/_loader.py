@@ -1,13 +1,15 @@
 """fastpin.Loader: batches arrive on the GPU, copied on a side stream while the
 previous step computes.
 
-A background thread takes batches from the wrapped iterable and, for each,
-copies every tensor leaf to the device on the Loader's copy stream (pageable
-leaves staged through arena blocks in chunks, pinned leaves directly: see
-_C.h2d) and records one event. `next()` makes the consumer's current stream
-wait on that event (no host synchronisation) and hands the batch over with its
-tensors record_stream'ed onto the consumer stream, so torch's caching
-allocator does not reuse their memory while the consumer's work reads it.
+Each epoch has a producer (_Producer: a background thread and a queue, `depth`
+batches ahead) that takes batches from the wrapped iterable and hands each to
+the Loader's mode (_modes: pass through, pin on the host, copy to the device,
+adopt what zero-copy workers placed), chosen once when the Loader is made;
+the consumer's iterator (_Epoch) hands the prepared batches over. Leaving an
+epoch never waits on the source (_Producer.shutdown). On a device, the mode
+copies every leaf on the Loader's copy stream and records one event; `next()`
+makes the consumer's current stream wait on it (no host synchronisation) and
+record_stream's the batch's tensors onto that stream.
 
 One Loader per rank: a Loader binds to one GPU (its device, or the current one)
 and touches no other. Its copy stream lives there, and its arena (its own, or
@@ -24,13 +26,9 @@ import time
 import weakref
 from typing import Any, Iterable, Optional
 
-import numpy as np
-
-from . import _C, _graphs, _leaves, _numa, _torch
-from ._arena import _check_int, check_capacity, cuda_available, default_arena, device_index
-from ._pin import pin_memory
-from ._walk import map_leaves
-from ._walk import nbytes as batch_nbytes
+from . import _C, _graphs, _modes, _numa, _torch
+from ._arena import cuda_available, default_arena, device_index
+from ._runtime import check_capacity, check_int, process
 
 log = logging.getLogger("fastpin")
 
@@ -40,18 +38,14 @@ _POLL = 0.1       # seconds between checks of the stop flag while blocked
 # (queueing or preparing a batch: bounded work) before abandoning it.
 _GRACE = 1.0
 
-# Producers still running, so that interpreter exit can stop them without
-# waiting on any (a worker may hang forever; the DataLoader's own exit path,
-# multiprocessing's atexit, terminates its workers without waiting either).
-_producers: "weakref.WeakSet[_Producer]" = weakref.WeakSet()
-_exiting = False
-
 
 @atexit.register
 def _at_exit() -> None:
-    global _exiting
-    _exiting = True
-    for producer in list(_producers):
+    """Stop the producers still running (process.producers) without waiting on
+    any: a worker may hang forever; the DataLoader's own exit path,
+    multiprocessing's atexit, terminates its workers without waiting either."""
+    process.exiting = True
+    for producer in list(process.producers):
         producer.stop.set()
 
 
@@ -60,40 +54,6 @@ class _Failure:
 
     def __init__(self, exc: BaseException):
         self.exc = exc
-
-
-class _Stats:
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.batches = 0
-        self.bytes = 0
-        self.copy_seconds = 0.0   # producer time spent in pinning / staging
-        self.wait_seconds = 0.0   # consumer time spent waiting for a batch
-        self.fallbacks = 0
-
-    def as_dict(self, s: Any) -> dict:
-        # s: the arena's stats. None: no arena made yet (nothing pinned, or a
-        # "cpu" Loader), and reading stats makes none.
-        if s is None:
-            s = {"high_water": 0, "capacity": 0, "numa_node": -1}
-        with self.lock:
-            d = {
-                "batches": self.batches,
-                "bytes": self.bytes,
-                "host_to_pinned_gbps": self.bytes / self.copy_seconds / 1e9 if self.copy_seconds else 0.0,
-                "consumer_wait_s": self.wait_seconds,
-                # Batches that found their arena full and went the ordinary
-                # way, in every mode: host mode pinned by torch, device mode
-                # copied from pageable memory, zero-copy a worker that found
-                # the shared arena full (in device mode such a batch that
-                # then finds the staging arena full too counts twice).
-                "fallbacks": self.fallbacks,
-                "worker_fallbacks": s.get("fallbacks", 0),
-            }
-        d["pool_high_water"] = s["high_water"]
-        d["pool_capacity"] = s["capacity"]
-        d["numa_node"] = s["numa_node"]
-        return d
 
 
 class Loader:
@@ -147,7 +107,7 @@ class Loader:
                  capacity: Optional[int] = None, max_capacity: Optional[int] = None):
         torch = _torch.require("fastpin.Loader")
 
-        depth = _check_int("fastpin.Loader: depth", depth, 0, None, "0 (no prefetch) or more batches")
+        depth = check_int("fastpin.Loader: depth", depth, 0, None, "0 (no prefetch) or more batches")
         if not isinstance(zero_copy, bool):
             raise TypeError(f"fastpin.Loader: zero_copy must be True or False, not {zero_copy!r}")
         if arena is not None and not isinstance(arena, _C.Arena):
@@ -168,7 +128,7 @@ class Loader:
         self._source: Any = loader  # what an epoch iterates (zero-copy: a view of loader)
         self.depth = depth
         self._arena = arena
-        self._stats = _Stats()
+        self._stats = _modes.Stats()
         self.zero_copy = False
         if device is None:
             self.device = None
@@ -197,6 +157,7 @@ class Loader:
         self._pool: Any = None  # zero-copy: the shared arena's segments (_zerocopy.Pool)
         if zero_copy:
             self._setup_zero_copy(arena, capacity, max_capacity)
+        self._mode = _modes.choose(self.device, self.zero_copy)
 
     def _check_arena(self, arena: _C.Arena) -> None:
         """An arena registered in another GPU's context would record its frees there:
@@ -306,36 +267,11 @@ class _Producer:
     reference to the consumer's iterator, so dropping that (a break) stops it."""
 
     def __init__(self, owner: Loader, previous: "Optional[_Producer]" = None, start: bool = True):
-        import torch
-
-        self.torch = torch
-        self.device = owner.device
+        self.mode = owner._mode(owner)  # what is done to each batch (_modes)
         self.stats = owner._stats
-        # A "cpu" Loader passes batches through: it needs no arena (and must not
-        # register one with a GPU).
-        cpu = self.device is not None and self.device.type == "cpu"
-        self.arena = owner._arena if cpu else owner.arena
-        # Batches pinned or staged by copy here: in zero-copy mode, those a worker
-        # could not place in the shared arena go through the GPU's default arena,
-        # so they take no room the workers need (which would make more fall back).
-        self.index = owner._index
-        self.copy_arena = None if owner.zero_copy else self.arena
-        self.zero_copy = owner.zero_copy
-        self.pool = owner._pool
-        self.loader = owner.loader  # the DataLoader (not its iterator): for sizing advice
-        self.depth = owner.depth
         self.placement = owner._placement
         self.queue: queue.Queue = queue.Queue(maxsize=owner.depth)
         self.stop = threading.Event()
-        cuda = self.device is not None and self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        # The stream that will read pinned host batches (device=None), taken in
-        # the consumer's thread: their blocks are reused only after it is done.
-        self.consumer_stream = (torch.cuda.current_stream()
-                                if self.device is None and cuda_available()
-                                and torch.cuda.is_available() else None)
-        # Sources that copies in flight may still read, with the batch's event.
-        self.in_flight: list = []
         # True while the thread is inside next(source): there it may stay for as
         # long as the source likes (a slow dataset, a worker that hangs), so a
         # closing epoch does not wait for it (see shutdown).
@@ -357,21 +293,15 @@ class _Producer:
         self.previous = previous if previous is not None and not _worker_backed(previous.source) else None
         self.thread = threading.Thread(target=self.run, name="fastpin-loader", daemon=True)
         if start:
-            _producers.add(self)
+            process.producers.add(self)
             self.thread.start()
 
     def run(self) -> None:
         source = self.source
         _numa.name_this_thread(self.thread.name)  # in /proc and perf too, not only in Python
+        mode = self.mode
         try:
-            if self.copy_stream is not None:
-                # Before any other CUDA call of this thread: a new thread's
-                # current device is 0, which this Loader must not touch. The
-                # copy stream is this thread's current stream from here on, so
-                # device memory made here is allocated under it (the consumer's
-                # stream is added by record_stream when a batch is handed over).
-                self.torch.cuda.set_device(self.device)
-                self.torch.cuda.set_stream(self.copy_stream)
+            mode.in_thread()  # before any other CUDA call of this thread
             # This thread copies its share of every batch (the pool helps).
             _numa.pin_this_thread(self.placement)
             if self.previous is not None:
@@ -392,7 +322,7 @@ class _Producer:
                 if self.stop.is_set():
                     return  # abandoned while in the source: the batch is dropped here
                 t0 = time.perf_counter()
-                item = self.prepare(batch)
+                item = mode.prepare(batch)
                 batch = None  # a zero-copy batch's block is free to go once copied
                 dt = time.perf_counter() - t0
                 with self.stats.lock:
@@ -410,10 +340,8 @@ class _Producer:
             self.source = source = None
             if self.stop.is_set():
                 self.drain()  # what a stopped epoch queued goes, never to nobody
-            if self.zero_copy and not _exiting:
-                # Workers that died before their batches arrived (killed, or
-                # shut down with results still queued) leave blocks behind.
-                self.pool.reclaim()
+            if not process.exiting:
+                mode.end()
 
     def put(self, item) -> None:
         """Queue `item` for the consumer; once the epoch is stopped, drop it."""
@@ -431,167 +359,6 @@ class _Producer:
                 self.queue.get_nowait()
             except queue.Empty:
                 return
-
-    def prepare(self, batch):
-        if self.zero_copy:
-            from . import _zerocopy
-
-            self.pool.collect()  # only this process can see the GPU finish with blocks
-            batch = _zerocopy.adopted(batch)
-            if isinstance(batch, _zerocopy._Adopted) and self.copy_stream is not None:
-                out = self.block_to_device(batch)
-                if out is not None:
-                    return out
-            # Read only by the copy stream here; in host mode the user gets the
-            # block, so its fence keeps covering every stream (the default).
-            consumer = getattr(self.copy_stream, "cuda_stream", None)
-            batch, adopted = _zerocopy.receive(batch, consumer)
-            if not adopted:
-                with self.stats.lock:
-                    self.stats.fallbacks += 1
-                    first = self.stats.fallbacks == 1
-                if first:
-                    self.warn_full(batch)
-            elif self.device is None:
-                self.count(batch)
-                return batch
-        if self.device is None:
-            out = self.pin(batch, counted=self.zero_copy)
-            self.count(out)
-            return out
-        if self.device.type == "cpu":
-            self.count(batch)
-            return batch
-        return self.to_device(batch)
-
-    def pin(self, batch, counted: bool):
-        """pin_memory into the staging arena. A batch it pins the ordinary way
-        (the arena full, or the batch over its cap) is a fallback, counted
-        here unless `counted` (zero-copy: its worker's fallback was)."""
-        from ._arena import policy
-
-        arena = self.staging()
-        if counted or policy()["on_full"] != "fallback":
-            return pin_memory(batch, arena=arena, stream=self.consumer_stream)
-        try:
-            return pin_memory(batch, arena=arena, stream=self.consumer_stream, on_full="raise")
-        except _C.ArenaFullError:
-            with self.stats.lock:
-                self.stats.fallbacks += 1
-            return pin_memory(batch, arena=arena, stream=self.consumer_stream, on_full="fallback")
-
-    def staging(self) -> _C.Arena:
-        """The arena batches are pinned or staged in by copy (made on first use)."""
-        if self.copy_arena is None:
-            self.copy_arena = default_arena(self.index if self.index >= 0 else None)
-        return self.copy_arena
-
-    def warn_full(self, batch) -> None:
-        """Once per Loader: a worker found the shared arena full; say what fits."""
-        from . import _zerocopy
-
-        nbytes = batch_nbytes(batch)
-        ahead = _zerocopy.batches_ahead(self.loader)
-        need = _zerocopy.capacity_for(self.loader, nbytes, self.depth)
-        pool = self.pool
-        if pool.fixed:
-            advice = f"for this DataLoader give it capacity={need} ({need / 1e6:.0f} MB) or more."
-        elif pool.capacity < need:
-            advice = (f"it sizes itself, up to max_capacity={pool.cap} bytes (or "
-                      f"FASTPIN_ZERO_COPY_MAX_BYTES); for this DataLoader raise that to {need} "
-                      f"({need / 1e6:.0f} MB) or more.")
-        else:
-            advice = ("it sized itself for these batches: the batches you keep alive hold the "
-                      f"rest; keep fewer, or give capacity={need + pool.capacity} or more.")
-        log.warning(
-            "fastpin.Loader(zero_copy=True): a DataLoader worker found the shared arena full "
-            "(%.0f MB) and collated a batch of %.1f MB the ordinary way; such batches are "
-            "pinned by copy in the main process, which is slower. The arena holds the "
-            "workers' batches in flight (num_workers x prefetch_factor = %d), the Loader's "
-            "depth and the batches you keep: %s", pool.capacity / 1e6, nbytes / 1e6, ahead, advice)
-
-    def count(self, batch) -> None:
-        nbytes = batch_nbytes(batch)
-        with self.stats.lock:
-            self.stats.batches += 1
-            self.stats.bytes += nbytes
-
-    def block_to_device(self, batch):
-        """A batch a worker placed in the arena: one copy of its whole block into
-        one device buffer, its leaves views of that buffer (no per-leaf work but
-        the view). None: a leaf this path cannot take; use the ordinary one."""
-        from . import _zerocopy
-
-        block = batch.block
-        buffer = self.torch.empty(block.nbytes, dtype=self.torch.uint8, device=self.device)
-        tree = _zerocopy.device_views(batch, buffer)
-        if tree is None:
-            return None
-        # The block goes back to the arena once the copy stream is past this
-        # copy: its event is recorded there when the Block dies, at return.
-        block.consumer_stream = self.copy_stream.cuda_stream
-        copies = [(buffer.data_ptr(), block.ptr, block.nbytes, True)] if block.nbytes else []
-        return tree, self.issue(copies, []), [buffer]
-
-    def to_device(self, batch):
-        torch = self.torch
-        copies = []   # (dst address, src address, nbytes, src is pinned)
-        keep = []     # (destination, the source it reads)
-        made = []     # every device tensor made here, for record_stream later
-
-        def leaf(given):
-            x = _leaves.device_source(given)  # the leaf's type decides (one registry)
-            if x is None:
-                return given
-            if x.device == self.device:
-                return x  # there already
-            if x.device.type != "cpu":
-                moved = x.to(self.device, non_blocking=True)
-                made.append(moved)
-                return moved
-            dst = torch.empty(x.shape, dtype=x.dtype, device=self.device)
-            made.append(dst)
-            nbytes = x.numel() * x.element_size()
-            if nbytes:
-                copies.append((dst.data_ptr(), x.data_ptr(), nbytes, x.is_pinned()))
-                keep.append((dst, x))
-            return dst
-
-        out = map_leaves(batch, lambda x: isinstance(x, (torch.Tensor, np.ndarray)), leaf)
-        return out, self.issue(copies, keep), made
-
-    def issue(self, copies: list, keep: list):
-        """Queue the copies on the copy stream (this thread's current stream) and
-        return the event the consumer waits on. `keep`: (destination, source)
-        pairs to copy from pageable memory should the arena have no room."""
-        torch = self.torch
-        try:
-            # Pinned sources alone need no staging: no arena to make for them.
-            pinned = self.arena if not self.zero_copy else self.pool.newest()
-            staging = pinned if pinned is not None and all(c[3] for c in copies) else self.staging()
-            _C.h2d(staging, self.copy_stream.cuda_stream, copies)
-        except _C.ArenaFullError:
-            # Live pinned batches fill the arena: copy from pageable memory,
-            # slower, never stuck. Copies already queued stay valid.
-            for dst, src in keep:
-                dst.copy_(src)
-            with self.stats.lock:
-                self.stats.fallbacks += 1
-        # Blocking: a wait on it below sleeps instead of spinning a core.
-        event = torch.cuda.Event(blocking=True)
-        event.record(self.copy_stream)
-        in_flight = self.in_flight
-        while in_flight and in_flight[0][0].query():
-            in_flight.pop(0)
-        in_flight.append((event, keep))
-        if len(in_flight) > self.depth + 1:
-            # The bus is behind: queue no further ahead of it. Every copy queued
-            # keeps its source block (and its batch's device memory) held.
-            in_flight.pop(0)[0].synchronize()
-        with self.stats.lock:
-            self.stats.batches += 1
-            self.stats.bytes += sum(c[2] for c in copies)
-        return event
 
     def halt(self) -> None:
         """Ask the thread to stop and drop what it queued; waits for nothing.
@@ -614,7 +381,7 @@ class _Producer:
         down here, just as the DataLoader's own __del__ would at this point.
         Safe from any thread."""
         self.halt()
-        if _exiting or threading.current_thread() is self.thread or not self.thread.is_alive():
+        if process.exiting or threading.current_thread() is self.thread or not self.thread.is_alive():
             return
         deadline = time.monotonic() + _GRACE
         while self.thread.is_alive() and not self.in_source and time.monotonic() < deadline:
@@ -627,7 +394,7 @@ class _Producer:
             _shutdown_workers(source)
         self.drain()
         if not self.thread.is_alive():
-            self.in_flight.clear()
+            self.mode.forget()
 
 
 def _worker_backed(source) -> bool:
@@ -670,8 +437,7 @@ class _Epoch:
     def __init__(self, owner: Loader, previous: Optional[_Producer] = None):
         self.sync = owner.depth == 0
         self.producer = _Producer(owner, previous, start=not self.sync)
-        self.torch = self.producer.torch
-        self.device = owner.device
+        self.deliver = self.producer.mode.deliver
         self.stats = owner._stats
         self.closed = False
         self._finalizer = weakref.finalize(self, self.producer.shutdown)
@@ -690,14 +456,7 @@ class _Epoch:
             item = self._next_here()
         else:
             item = self._next_queued()
-        if self.device is None or self.device.type == "cpu":
-            return item
-        out, event, made = item
-        stream = self.torch.cuda.current_stream(self.device)
-        stream.wait_event(event)
-        for t in made:
-            t.record_stream(stream)
-        return out
+        return self.deliver(item)
 
     def _next_queued(self):
         producer = self.producer
@@ -745,11 +504,7 @@ class _Epoch:
         except StopIteration:
             self.close()
             raise
-        if producer.copy_stream is None:
-            return producer.prepare(batch)
-        torch = self.torch
-        with torch.cuda.device(self.device), torch.cuda.stream(producer.copy_stream):
-            return producer.prepare(batch)
+        return producer.mode.prepare_here(batch)
 
     def close(self) -> None:
         """Stop the epoch and drop prepared batches; waits for nothing. The

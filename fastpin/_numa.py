@@ -14,7 +14,8 @@ and the C core applies it: the arena's pages prefer the node (mbind, before
 they are touched: _C.Arena(numa_node=N)), the copy pool's threads run on its
 CPUs (_C.set_affinity). Where there is nothing to choose (one node, numa_node
 -1, no sysfs, no GPU) or it is switched off (fastpin.configure(numa=False),
-FASTPIN_NUMA=0), the placement is NONE and nothing changes.
+FASTPIN_NUMA=0: _runtime.settings.numa), the placement is NONE and nothing
+changes.
 
 The sysfs root is "/sys", or FASTPIN_SYSFS_ROOT, or the `root` argument: the
 tests build a fake tree.
@@ -23,8 +24,10 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Iterable, NamedTuple, Optional
+
+from . import _C
+from ._runtime import process, settings
 
 log = logging.getLogger("fastpin")
 
@@ -47,26 +50,20 @@ class Placement(NamedTuple):
 NONE = Placement(-1, ())
 
 
-def _env_enabled() -> bool:
-    return os.environ.get("FASTPIN_NUMA", "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-_lock = threading.Lock()
-_enabled = _env_enabled()
-_pinned: dict = {}       # node -> cpus the pool is pinned to for it, in this process
-_pinned_pid = 0
+# Node -> the CPUs the copy pool is pinned to for it, in this process (held by
+# _runtime: a forked child's is empty).
+_pinned = process.pinned
 
 
 def enabled() -> bool:
-    return _enabled
+    return settings.numa
 
 
 def set_enabled(on: bool) -> None:
     """fastpin.configure(numa=...): off also gives the copy threads their affinity back."""
-    global _enabled
-    with _lock:
-        _enabled = bool(on)
-        if not _enabled and _pinned and _pinned_pid == os.getpid():
+    with process.lock:
+        settings.numa = bool(on)
+        if not on and _pinned:
             _pinned.clear()
             _set_pool_affinity(None)
 
@@ -190,8 +187,6 @@ def placement(bus_id: Optional[str], root: Optional[str] = None,
 def gpu_bus_id(index: int) -> Optional[str]:
     """The PCI bus id of CUDA device `index`: from the driver (which makes no
     context), else from torch; None where neither knows."""
-    from . import _C
-
     try:
         return normalize_bus_id(_C.pci_bus_id(index))
     except (_C.FastpinError, ValueError) as e:
@@ -207,7 +202,7 @@ def gpu_bus_id(index: int) -> Optional[str]:
 
 def for_device(index: Optional[int]) -> Placement:
     """The placement for CUDA device `index` (None: no GPU), NONE when switched off."""
-    if index is None or index < 0 or not _enabled:
+    if index is None or index < 0 or not settings.numa:
         return NONE
     where = placement(gpu_bus_id(index))
     log.debug("fastpin: CUDA device %d -> NUMA node %d, CPUs %s", index, where.node,
@@ -216,8 +211,6 @@ def for_device(index: Optional[int]) -> Placement:
 
 
 def _set_pool_affinity(cpus) -> bool:
-    from . import _C
-
     try:
         _C.set_affinity(cpus)
         return True
@@ -229,13 +222,9 @@ def _set_pool_affinity(cpus) -> bool:
 def pin_threads(where: Placement) -> None:
     """Pin the copy pool's threads to the CPUs of `where`. A process whose GPUs
     sit on several nodes pins them to the union of those nodes' CPUs."""
-    global _pinned_pid
     if not where.cpus:
         return
-    with _lock:
-        if _pinned_pid != os.getpid():
-            _pinned.clear()  # a forked child starts with no placement
-            _pinned_pid = os.getpid()
+    with process.lock:
         if _pinned.get(where.node) == where.cpus:
             return
         _pinned[where.node] = where.cpus

@@ -4,54 +4,25 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
 from typing import Any, Optional
 
 from . import _C, _graphs
-from ._arena import (ON_FULL, _policy, cuda_available, default_arena, made_default_arena,
-                     policy)
+from ._arena import ON_FULL, cuda_available, default_arena, made_default_arena
+from ._runtime import count, counts, first, settings
 from ._leaves import Plan, is_leaf
 from ._walk import flatten, unflatten
 
 log = logging.getLogger("fastpin")
 
-_counters_lock = threading.Lock()
-_counters = {"batches": 0, "leaves": 0, "bytes": 0, "fallbacks": 0}
-
-
-def _count(batches: int = 0, leaves: int = 0, nbytes: int = 0, fallbacks: int = 0) -> None:
-    with _counters_lock:
-        _counters["batches"] += batches
-        _counters["leaves"] += leaves
-        _counters["bytes"] += nbytes
-        _counters["fallbacks"] += fallbacks
-
-
-def counters() -> dict:
-    """What pin_memory did in this process: its Python pipeline's counts plus
-    those of the C fast path (Arena.pin_batch)."""
-    with _counters_lock:
-        out = dict(_counters)
-    batches, leaves, nbytes = _C.pin_counts()
-    out["batches"] += batches
-    out["leaves"] += leaves
-    out["bytes"] += nbytes
-    return out
-
-
-class _Fallback(Exception):
+class Fallback(Exception):
     """The policy says: pin this batch the ordinary way."""
 
 
-_warned_too_big = False
-
-
-def _pin_with_policy(arena, plan, on_full: str):
+def pin_with_policy(arena, plan, on_full: str):
     """The block of arena.pin(plan.sources, 1) (padding included), or what the
-    full-arena policy says instead (raises _Fallback when that is the ordinary
+    full-arena policy says instead (raises Fallback when that is the ordinary
     path)."""
-    global _warned_too_big
     sources, total = plan.sources, plan.nbytes
     if total > arena.capacity:
         message = (f"a batch of {total} bytes cannot be pinned in an arena of "
@@ -59,10 +30,9 @@ def _pin_with_policy(arena, plan, on_full: str):
                    "or FASTPIN_ARENA_BYTES")
         if on_full != "fallback":
             raise _C.ArenaFullError(message)
-        if not _warned_too_big:
-            _warned_too_big = True
+        if first("batch over the cap"):
             log.warning("fastpin: %s; such batches are pinned the ordinary way", message)
-        raise _Fallback
+        raise Fallback
     deadline = None
     delay = 0.0005
     while True:
@@ -70,19 +40,19 @@ def _pin_with_policy(arena, plan, on_full: str):
             return arena.pin(sources, 1)[0]
         except _C.ArenaFullError as e:
             if on_full == "fallback":  # the first one slows the user down: say so, once
-                log.log(logging.DEBUG if _counters["fallbacks"] else logging.WARNING,
+                log.log(logging.DEBUG if counts["fallbacks"] else logging.WARNING,
                         "fastpin: %s; pinning this batch the ordinary way (slower; later ones "
                         "are logged at DEBUG)", str(e))  # not e: its traceback holds the batch
-                raise _Fallback from None
+                raise Fallback from None
             if on_full == "raise":
                 raise
             # "wait": until the consumer frees batches, within the timeout.
             now = time.monotonic()
             if deadline is None:
-                deadline = now + policy()["wait_timeout"]
+                deadline = now + settings.wait_timeout
             if now >= deadline:
                 raise _C.ArenaFullError(
-                    f"{e}; waited {_policy['wait_timeout']:g} s for room "
+                    f"{e}; waited {settings.wait_timeout:g} s for room "
                     "(fastpin.configure(on_full=..., wait_timeout=...))") from None
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
@@ -162,10 +132,10 @@ def _pin_planned(spec, leaves: list, device: Any, arena: Optional[_C.Arena],
     if plan.placed:
         arena = arena if arena is not None else default_arena(device)
         try:
-            block = _pin_with_policy(arena, plan, on_full or str(_policy["on_full"]))
-        except _Fallback:
-            _count(batches=1, fallbacks=1)
+            block = pin_with_policy(arena, plan, on_full or settings.on_full)
+        except Fallback:
+            count(batches=1, fallbacks=1)
             return unflatten(spec, plan.ordinary())
     out = unflatten(spec, plan.host(block))
-    _count(batches=1, leaves=plan.placed, nbytes=plan.data_bytes)
+    count(batches=1, leaves=plan.placed, nbytes=plan.data_bytes)
     return out

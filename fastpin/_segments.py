@@ -25,21 +25,17 @@ import weakref
 from typing import Callable, Optional
 
 from . import _C, _numa
+from ._runtime import process
 
 log = logging.getLogger("fastpin")
 
-# The arenas this process made whose blocks may arrive here, by token. A
-# forked child inherits its parent's: _registry() forgets them there.
-_arenas: "weakref.WeakValueDictionary[int, _C.Arena]" = weakref.WeakValueDictionary()
-_arenas_pid = os.getpid()
+# This process's registries, held by _runtime (a forked child's are empty):
+# the arenas it made whose blocks may arrive here, by token.
+_arenas = process.shared
 
 
 def _registry() -> "weakref.WeakValueDictionary[int, _C.Arena]":
     """The arenas this process registered (none of a parent's, after fork)."""
-    global _arenas_pid
-    if _arenas_pid != os.getpid():
-        _arenas.clear()
-        _arenas_pid = os.getpid()
     return _arenas
 
 
@@ -139,8 +135,8 @@ class _Directory:
         _set_word(self.map, _DIR_FALLBACKS, _word(self.map, _DIR_FALLBACKS) + 1)
 
 
-_directories: dict = {}   # pool id -> (pid, _Directory), in workers
-_pools: "weakref.WeakValueDictionary[int, Pool]" = weakref.WeakValueDictionary()  # main process
+_directories = process.directories   # pool id -> _Directory, in workers
+_pools = process.pools               # pool id -> Pool, in the process that made it
 
 
 def directory_for(directory: tuple, segments: list, attach) -> "Optional[_Directory]":
@@ -158,12 +154,10 @@ def directory_for(directory: tuple, segments: list, attach) -> "Optional[_Direct
             own.local = _Directory(dir_fd, wake, creator, {}, attach)
         view = own.local
     else:
-        entry = _directories.get(pool)
-        if entry is None or entry[0] != os.getpid():
+        view = _directories.get(pool)
+        if view is None:
             carried = dict((token, fd) for fd, token in segments)
-            entry = _directories[pool] = (os.getpid(),
-                                          _Directory(dir_fd, wake, creator, carried, attach))
-        view = entry[1]
+            view = _directories[pool] = _Directory(dir_fd, wake, creator, carried, attach)
     view.refresh()
     return view
 

@@ -30,7 +30,6 @@ died before its batch arrived are reclaimed at the end of the epoch.
 from __future__ import annotations
 
 import os
-import threading
 from multiprocessing import reduction
 from typing import Any, Callable, Optional
 
@@ -57,11 +56,11 @@ from ._segments import (  # noqa: F401 - the names the Loader, the bench and tes
     register,
 )
 from ._leaves import Plan, Stack, stackable
+from ._runtime import process
 from ._walk import flatten, map_leaves, unflatten
 
-# Worker processes: the arenas attached there, by token, with the attaching pid.
-_attached: dict = {}
-_attach_lock = threading.Lock()
+# Worker processes: the arenas attached there, by token (_runtime empties it at fork).
+_attached = process.attached
 
 # Workers map the whole registered arena when they attach, rather than fault
 # on each page of each block they first write (benchmarks/profile_zero_copy.py
@@ -153,7 +152,7 @@ class _Shipped:
         return self  # DataLoader's pin thread: already pinned
 
 
-class _Adopted:
+class Adopted:
     """A shipped batch in the main process, its block adopted."""
 
     __slots__ = ("block", "tree")
@@ -171,7 +170,7 @@ def _adopt(token, index, nbytes, tree):
         raise RuntimeError(
             "fastpin: a batch arrived from a zero-copy worker, but its arena is not known in "
             "this process (unpickled outside the Loader that made it?)")
-    return _Adopted(arena.adopt(index, nbytes), tree)
+    return Adopted(arena.adopt(index, nbytes), tree)
 
 
 def _attach(fd: int, token: int) -> _C.Arena:
@@ -179,9 +178,9 @@ def _attach(fd: int, token: int) -> _C.Arena:
     own = _registry().get(token)
     if own is not None:
         return own  # collating in the main process (num_workers=0)
-    with _attach_lock:
-        entry = _attached.get(token)
-        if entry is None or entry[0] != os.getpid():
+    with process.lock:
+        arena = _attached.get(token)
+        if arena is None:
             arena = _C.Arena.attach(fd)
             if arena.token != token:
                 raise RuntimeError("fastpin: the file descriptor does not hold the expected arena")
@@ -189,8 +188,8 @@ def _attach(fd: int, token: int) -> _C.Arena:
                 arena.prefault()
             # A worker copies on its own thread: the DataLoader runs many.
             _C.set_threads(1)
-            entry = _attached[token] = (os.getpid(), arena)
-        return entry[1]
+            _attached[token] = arena
+        return arena
 
 
 class _WorkerCollate:
@@ -291,7 +290,7 @@ def _leaf_out(block, ref: _Ref):
 
 
 def adopted(batch: Any) -> Any:
-    """The batch as the main process holds it: an _Adopted for a batch a worker
+    """The batch as the main process holds it: an Adopted for a batch a worker
     placed in the arena (also one collated here, num_workers=0), else as it came."""
     if isinstance(batch, _Shipped):  # collated in this process (num_workers=0)
         if batch.block is not None:
@@ -304,7 +303,7 @@ def receive(batch: Any, consumer_stream: Any = None) -> tuple:
     """For a batch as adopted() gives it: (batch with tensors over the adopted
     block, True), or (batch, False) for a batch that came the ordinary way (a
     worker fell back)."""
-    if not isinstance(batch, _Adopted):
+    if not isinstance(batch, Adopted):
         return batch, False
     block = batch.block
     if consumer_stream is not None:
@@ -312,7 +311,7 @@ def receive(batch: Any, consumer_stream: Any = None) -> tuple:
     return map_leaves(batch.tree, lambda x: isinstance(x, _Ref), lambda r: _leaf_out(block, r)), True
 
 
-def device_views(batch: "_Adopted", buffer: torch.Tensor) -> Optional[Any]:
+def device_views(batch: "Adopted", buffer: torch.Tensor) -> Optional[Any]:
     """The batch's tree with each leaf a view of `buffer`, a device tensor of the
     block's bytes that one copy fills; None when a leaf has a NumPy dtype torch
     does not know (the caller then takes the ordinary path, which says so)."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fastpin
-from fastpin import _C, _arena
+from fastpin import _C, _arena, _runtime
 from conftest import in_arena, patterned
 
 REPO = Path(__file__).resolve().parent.parent
@@ -164,7 +164,7 @@ def test_device_names(pretend_gpus):
 
 
 def test_configured_device_is_the_default(pretend_gpus):
-    old = _arena._device
+    old = _runtime.settings.device
     try:
         fastpin.configure(device=4)
         assert _arena.device_index(None) == 4
@@ -172,7 +172,7 @@ def test_configured_device_is_the_default(pretend_gpus):
         with pytest.raises(ValueError):
             fastpin.configure(device=-1)
     finally:
-        _arena._device = old
+        _runtime.settings.device = old
 
 
 def test_one_default_arena_per_device(pretend_gpus):

@@ -213,7 +213,7 @@ def test_forked_child_pins():
     keep_src = patterned((70_000,), torch.int64, 2)
     keep = fastpin.pin_memory(keep_src)
     ctx = multiprocessing.get_context("fork")
-    p = ctx.Process(target=_child_pins, args=(5,))
+    p = ctx.Process(target=_child_pins, args=(5, fastpin.default_arena().base))
     p.start()
     p.join(60)
     assert p.exitcode == 0
@@ -222,10 +222,9 @@ def test_forked_child_pins():
     assert_same(fastpin.pin_memory(src), src)
 
 
-def _child_pins(seed):
+def _child_pins(seed, parent_arena_base):
     try:
-        from fastpin import _arena
-        parent_arena_base = _arena._arena.base      # inherited, not usable here
+        # The parent's arena (inherited, not usable here) is not this process's.
         arena = fastpin.default_arena()
         assert arena.base != parent_arena_base
         for i in range(20):

@@ -8,14 +8,14 @@ import logging
 import numpy as np
 
 import fastpin
-from fastpin import _pin
+from fastpin import _runtime
 from conftest import patterned
 
 
 def test_the_first_full_arena_fallback_warns_and_later_ones_are_debug(small_arena, caplog,
                                                                        monkeypatch):
     # Bug: every full-arena fallback logged at DEBUG: the user was never told.
-    monkeypatch.setitem(_pin._counters, "fallbacks", 0)   # as in a fresh process
+    monkeypatch.setitem(_runtime.counts, "fallbacks", 0)   # as in a fresh process
     caplog.set_level(logging.DEBUG, logger="fastpin")
     src = patterned((40 << 10,), np.uint8, 3)             # 40 KiB: one fits in 64 KiB
     held = fastpin.pin_memory(src, arena=small_arena)
@@ -39,7 +39,7 @@ def test_fallback_log_record_keeps_the_batch_alive(small_arena, caplog, monkeypa
     import gc
     import weakref
 
-    monkeypatch.setitem(_pin._counters, "fallbacks", 0)
+    monkeypatch.setitem(_runtime.counts, "fallbacks", 0)
     caplog.set_level(logging.DEBUG, logger="fastpin")
     held = fastpin.pin_memory(patterned((40 << 10,), np.uint8, 5), arena=small_arena)
     src = patterned((30 << 10,), np.uint8, 6)

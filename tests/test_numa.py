@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import fastpin
-from fastpin import _C, _arena, _numa
+from fastpin import _C, _arena, _numa, _runtime
 from conftest import patterned
 
 MiB = 1 << 20
@@ -184,7 +184,7 @@ def test_this_machine_real_sysfs():
                                        ("1", True), ("", True), ("yes", True)])
 def test_fastpin_numa_environment(monkeypatch, value, on):
     monkeypatch.setenv("FASTPIN_NUMA", value)
-    assert _numa._env_enabled() is on
+    assert _runtime.env_flag("FASTPIN_NUMA", True) is on
 
 
 # ---- the arena's memory: mbind ---------------------------------------------------------

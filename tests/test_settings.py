@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fastpin
-from fastpin import _C, _arena
+from fastpin import _C, _arena, _runtime
 
 MAX = _C.MAX_CAPACITY
 # Every test here has a time limit: a hang fails it instead of stalling the run.
@@ -60,11 +60,11 @@ BAD_CONFIGURE = [
                          ids=[f"{next(iter(k))}={v!r}" for k, _, _ in BAD_CONFIGURE
                               for v in k.values()])
 def test_configure_refuses_bad_settings_and_changes_nothing(kwargs, error, message):
-    before = (_arena.get_capacity(), _arena.policy(), _arena._device)
+    before = (_arena.get_capacity(), _arena.policy(), _runtime.settings.device)
     with pytest.raises(error, match=message):
         # A good value beside the bad one is not applied either.
         fastpin.configure(**{"on_full": "raise", "capacity": 4096, **kwargs})
-    assert (_arena.get_capacity(), _arena.policy(), _arena._device) == before
+    assert (_arena.get_capacity(), _arena.policy(), _runtime.settings.device) == before
 
 
 @pytest.mark.timeout(30)
@@ -79,10 +79,10 @@ def test_configure_accepts_good_settings():
             fastpin.configure(device=3)  # no GPU: any ordinal names the one host arena
     finally:
         fastpin.configure(capacity=before[0], wait_timeout=before[1]["wait_timeout"])
-        _arena._device = None
+        _runtime.settings.device = None
 
 
-# ---- environment variables, at import ---------------------------------------------
+# ---- environment variables, read when the configuration is first used --------------
 
 # The fastpin this process imported (the installed one under `make test`, the
 # source tree built in place otherwise): the child imports the same one, from a
@@ -122,6 +122,40 @@ def test_bad_environment_fails_the_import_clearly(name, value, message):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("ValueError: ")
     assert re.search(message, last), last
+
+
+IMPORT_ONLY = """
+import numpy as np
+import fastpin
+from fastpin import _C
+print("imported", _C.get_threads())
+for _ in range(2):  # every use says so, not only the first
+    try:
+        fastpin.pin_memory(np.arange(100) * 3)
+    except ValueError as e:
+        print("raised", e)
+print("threads", _C.get_threads())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_import_reads_the_environment_and_does_nothing_else():
+    """Issue 17: importing fastpin neither raises on a bad environment variable
+    nor sizes the copy pool; the first use of the configuration does both."""
+    full = dict(os.environ, PYTHONPATH=FASTPIN_HOME + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def run(**env):
+        r = subprocess.run([sys.executable, "-c", IMPORT_ONLY], cwd=tempfile.gettempdir(),
+                           env={**full, **env}, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+
+    out = run(FASTPIN_ON_FULL="drop")
+    assert out[0].startswith("imported")
+    assert out[1:3] == ["raised FASTPIN_ON_FULL='drop': must be one of fallback, wait, raise"] * 2
+    threads = _C.cpu_count() + 1  # never the pool's default size
+    out = run(FASTPIN_THREADS=str(threads))
+    assert out[0] != f"imported {threads}" and out[-1] == f"threads {threads}", out
 
 
 @pytest.mark.timeout(60)
