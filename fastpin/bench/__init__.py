@@ -17,8 +17,11 @@ Cases (--case, repeatable; default: all of them):
                 (input_ids, attention_mask, labels)
   recsys        a recommendation batch: a dict of 50 feature tensors, 4096 rows
   video         float32 clips 3x32x224x224, batch 16 (294 MiB)
+  clips_f16     float16 clips 3x16x112x112, batch 32 (36.8 MiB)
+  token_windows int32 token windows of 4096 tokens, batch 16, fixed length
+                (input_ids, attention_mask, labels: 0.75 MiB)
 
-The five workload cases go through every path that applies (--path, repeatable):
+The seven workload cases go through every path that applies (--path, repeatable):
 
   pageable      DataLoader(pin_memory=False); batch.to(device, non_blocking=True)
   pin_memory    DataLoader(pin_memory=True) (torch's pin thread); then .to()

@@ -1,5 +1,5 @@
 """The workload cases: in-memory datasets shaped like real workloads (images,
-token sequences, a recommendation batch, video clips), how a
+token sequences and windows, a recommendation batch, video clips), how a
 DataLoader batches each (Workload), and run_case(), which puts one through
 every path when the machine has room for it."""
 from __future__ import annotations
@@ -56,6 +56,28 @@ def pad_collate(samples):
         mask[i, :len(s)] = 1
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class TokenWindows(Dataset):
+    """Fixed-length int32 windows of `length` tokens, each with its attention
+    mask and labels (a document of length/4..length tokens, then padding: id 0,
+    mask 0, label -100), held as three (n, length) tensors: samples are views,
+    and default_collate stacks them."""
+
+    def __init__(self, n: int, length: int, seed: int = 19):
+        g = torch.Generator().manual_seed(seed)
+        used = torch.randint(length // 4, length + 1, (n, 1), generator=g)
+        self.mask = (torch.arange(length).expand(n, length) < used).to(torch.int32)
+        self.ids = torch.randint(1, 50_000, (n, length), dtype=torch.int32,
+                                 generator=g) * self.mask
+        self.labels = self.ids.masked_fill(self.mask == 0, -100)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i],
+                "labels": self.labels[i]}
 
 
 class Recsys(Dataset):
@@ -135,6 +157,8 @@ class Workload:
 
 IMAGE_BYTES = 3 * 224 * 224
 _CLIP = 3 * 32 * 224 * 224 * 4             # float32 3x32x224x224
+_CLIP_F16 = 3 * 16 * 112 * 112 * 2         # float16 3x16x112x112
+_WINDOW = 4096 * 4 * 3                     # int32 ids, mask, labels of 4096 tokens
 CASES: dict = {w.name: w for w in [
     Workload("images_u8", "uint8 images 3x224x224, batch 256", 256, 256 * (IMAGE_BYTES + 8),
              1024 * IMAGE_BYTES, lambda: _images(torch.uint8, 1024), (300, 40, 4)),
@@ -149,6 +173,12 @@ CASES: dict = {w.name: w for w in [
              lambda: Recsys(1 << 16), (500, 60, 10), batched=True),
     Workload("video", "float32 video clips 3x32x224x224, batch 16", 16, 16 * (_CLIP + 8),
              8 * _CLIP, lambda: _clips(8, (3, 32, 224, 224), torch.float32, 17), (40, 8, 2)),
+    Workload("clips_f16", "float16 video clips 3x16x112x112, batch 32", 32, 32 * (_CLIP_F16 + 8),
+             128 * _CLIP_F16, lambda: _clips(128, (3, 16, 112, 112), torch.float16, 23),
+             (300, 40, 4)),
+    Workload("token_windows", "int32 token windows of 4096 tokens (input_ids, attention_mask, "
+             "labels), batch 16", 16, 16 * _WINDOW, 1024 * _WINDOW,
+             lambda: TokenWindows(1024, 4096), (500, 60, 10)),
 ]}
 
 
