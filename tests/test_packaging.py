@@ -122,8 +122,9 @@ def test_sdist_holds_the_sources_and_no_half_test_suite(dists):
     for c in ("arena.c", "copier.c", "cuda.c", "dlpack.c", "error.c", "module.c", "stage.c",
               "fastpin.h", "dlpack.h"):
         assert f"csrc/{c}" in names, c
-    for f in ("fastpin/__init__.py", "fastpin/bench.py", "fastpin/_C.pyi", "fastpin/py.typed",
-              "LICENSE", "README.md", "pyproject.toml", "setup.py"):
+    for f in ("fastpin/__init__.py", "fastpin/bench/__init__.py", "fastpin/bench/__main__.py",
+              "fastpin/_C.pyi", "fastpin/py.typed", "LICENSE", "README.md", "pyproject.toml",
+              "setup.py"):
         assert f in names, f
     tests = sorted(n for n in names if n.startswith("tests/"))
     assert not tests or "tests/conftest.py" in tests, tests

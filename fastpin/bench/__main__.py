@@ -1,0 +1,215 @@
+"""python -m fastpin.bench: the command line (the options, and main(), which
+runs the cases SUITE names and prints their report as it goes)."""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import sys
+from typing import Optional, Sequence
+
+from fastpin import _C, _torch
+
+from ._optional import torch
+from .cases import CASE_NAMES, SUITE, Plan
+from .host import machine
+from .paths import PATHS, gpu_usable, target_of
+from .plots import MATPLOTLIB, plot
+from .progress import Progress
+from .suite import failed, header, not_run, report, save, section
+
+log = logging.getLogger("fastpin.bench")
+
+_out = functools.partial(print, flush=True)   # a line of the report, with no bar to clear
+
+
+def _device_arg(text: str) -> str:
+    """--device: auto, host (or cpu), cuda or cuda:N; anything else is a usage error."""
+    kind, _, index = text.partition(":")
+    if text in ("auto", "host", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a device: use auto (the GPU if any, else the host), host, cuda or "
+        "cuda:N")
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options (main() and the README's list of them)."""
+    parser = argparse.ArgumentParser(prog="python -m fastpin.bench",
+                                     description=sys.modules[__package__].__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", action="append", choices=CASE_NAMES + ("all",),
+                        help="a case to run (repeatable; default: all)")
+    parser.add_argument("--path", action="append", choices=tuple(PATHS),
+                        help="a path to run in the workload cases (repeatable; default: all)")
+    parser.add_argument("--workers", type=int, nargs="+",
+                        help="DataLoader workers (default: one per core but one for the workload "
+                             "cases; 8 and one per core but one for loader_images)")
+    parser.add_argument("--batches", type=int,
+                        help="batches timed per path (default: each case's own, fewer without "
+                             "a GPU; loader_images: 300, or 10 without a GPU)")
+    parser.add_argument("--warmup", type=int, help="batches before timing starts (default: 3)")
+    parser.add_argument("--max-seconds", type=float, default=3.0,
+                        help="time budget of each path: it stops timing after this many "
+                             "seconds (at least 5 batches) even short of --batches, so the "
+                             "whole suite fits in a few minutes (default: 3; 0: no budget)")
+    parser.add_argument("--compute-ms", type=float, default=0.0,
+                        help="simulated compute per step in the workload cases, ms (default: 0)")
+    parser.add_argument("--device", default="auto", type=_device_arg,
+                        help="where batches go: auto (the GPU if any, else the host), host, "
+                             "cuda, cuda:N (an error where there is no such GPU)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a short run: a few batches per path, smaller micro tables")
+    parser.add_argument("--sizes", type=float, nargs="+",
+                        help="pin_sizes: batch sizes in MiB (default: 0.0625 0.25 1 16 256)")
+    parser.add_argument("--seconds", type=float,
+                        help="pin_sizes: least time spent timing each cell (default: 0.5)")
+    parser.add_argument("--hang-report", type=float, default=300.0, metavar="SECONDS",
+                        help="a workload path still running after this long prints every "
+                             "thread's stack to stderr (and again, from faulthandler, at twice "
+                             "the time), then goes on (default: 300; 0: never)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="also draw the workload cases (PNG; needs matplotlib: "
+                             "pip install matplotlib)")
+    parser.add_argument("--from-json", metavar="PATH",
+                        help="measure nothing: print (and --plot) a run that --json wrote")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--list", action="store_true",
+                        help="list the cases and paths, each with what it measures")
+    return parser
+
+
+def _list() -> int:
+    _out("cases:")
+    for case in SUITE.values():
+        _out(f"  {case.name:14s}{case.what}")
+    _out("paths:")
+    for p in PATHS.values():
+        _out(f"  {p.name:14s}{p.what}")
+    return 0
+
+
+def _from_json(args: argparse.Namespace) -> int:
+    with open(args.from_json) as f:
+        saved = json.load(f)
+    _out(report(saved))
+    if args.plot:
+        plot(saved, args.plot)
+        _out(f"\nPlot: {args.plot}")
+    return 0
+
+
+def _check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """--device cuda[:N] where there is no such GPU: a usage error, not a host run."""
+    if not device.startswith("cuda"):
+        return
+    gpu, why = gpu_usable()
+    if not gpu:
+        parser.error(f"--device {device}: no GPU to deliver to here ({why}); use "
+                     "--device auto (the GPU if any, else the host) or --device host")
+    if ":" in device and int(device.partition(":")[2]) >= torch.cuda.device_count():
+        parser.error(f"--device {device}: this machine has "
+                     f"{torch.cuda.device_count()} CUDA device(s)")
+
+
+def _plan(args: argparse.Namespace) -> Plan:
+    """What the command line asks for, each default filled in for this machine."""
+    gpu, _ = gpu_usable()
+    cpus = _C.cpu_count()
+    quick = args.quick
+    target, host_reason = target_of(args.device)
+    return Plan(
+        names=list(CASE_NAMES) if not args.case or "all" in args.case else
+        [n for n in CASE_NAMES if n in args.case],
+        paths=args.path or list(PATHS), gpu=gpu, quick=quick,
+        warmup=args.warmup if args.warmup is not None else (1 if quick else 3),
+        workers=args.workers or [max(1, cpus - 1)], batches=args.batches,
+        device=args.device, target=target, host_reason=host_reason,
+        compute_ms=args.compute_ms, max_seconds=args.max_seconds,
+        sizes=args.sizes or ([0.0625, 1, 16] if quick else [0.0625, 0.25, 1, 16, 256]),
+        seconds=args.seconds if args.seconds is not None else (0.1 if quick else 0.5),
+        loader_workers=args.workers or sorted({min(8, max(1, cpus - 1)), max(1, cpus - 1)}),
+        loader_batches=args.batches or (3 if quick else 300 if gpu else 10),
+        train_workers=args.workers or sorted({min(8, max(1, cpus - 1)),
+                                              min(15, max(1, cpus - 1))}))
+
+
+def _new_suite(command: str, plan: Plan) -> dict:
+    return {
+        "command": command,
+        "machine": machine(),
+        "settings": {"cases": plan.names, "paths": plan.paths, "workers": plan.workers,
+                     "warmup": plan.warmup, "compute_ms": plan.compute_ms,
+                     "device": str(plan.target or "host"), "max_seconds": plan.max_seconds,
+                     "quick": plan.quick},
+        "order": plan.names, "cases": [], "not_run_cases": {}, "failed_cases": {},
+    }
+
+
+def _run_case(name: str, plan: Plan, suite: dict, reporter: Progress,
+              json_path: Optional[str]) -> None:
+    """One case into the suite, then its section of the report (and the JSON so far)."""
+    reporter.stage(name)
+    try:
+        SUITE[name].run(plan, suite, reporter)
+    except Exception as exc:  # a case that breaks does not end the suite
+        log.debug("fastpin.bench: case %s failed", name, exc_info=True)
+        suite["not_run_cases"][name] = f"failed: {type(exc).__name__}: {exc}"
+        suite["failed_cases"][name] = f"{type(exc).__name__}: {exc}"
+    reporter.write()
+    reporter.write(section(suite, name))
+    if json_path:  # after every case: a run cut short keeps what it measured
+        save(suite, json_path)
+
+
+def _finish(suite: dict, args: argparse.Namespace) -> int:
+    """What did not run, the JSON and the plot; the exit status."""
+    summary = not_run(suite)
+    if summary:
+        _out()
+        _out(summary)
+    if args.json:
+        save(suite, args.json)
+    if args.plot:
+        if suite["cases"]:
+            plot(suite, args.plot)
+            _out(f"\nPlot: {args.plot}")
+        else:
+            _out("\nNo plot: no workload case ran.")
+    return 1 if failed(suite) else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        return _list()
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error(f"--plot needs matplotlib: {MATPLOTLIB}")
+    if args.from_json:
+        return _from_json(args)
+    if torch is None:
+        print(f"python -m fastpin.bench: {_torch.message('the benchmark')}", file=sys.stderr)
+        return 1
+    _check_device(parser, args.device)
+    plan = _plan(args)
+    reporter = Progress(sum(SUITE[name].steps(plan) for name in plan.names),
+                        enabled=not args.no_progress, hang_report_s=args.hang_report or None)
+    suite = _new_suite("python -m fastpin.bench " + " ".join(sys.argv[1:] if argv is None
+                                                             else argv), plan)
+    try:
+        reporter.write(header(suite["machine"], suite["command"]))
+        for name in plan.names:
+            _run_case(name, plan, suite, reporter, args.json)
+    finally:
+        reporter.close()
+    return _finish(suite, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""The micro tables: pin_memory of one batch by size (pin_table), a training
+step with compute and transfer overlapped (step_table), and a DataLoader's
+delivered throughput over in-memory images (loader_table); each with its
+Markdown formatter. Each reports a step to `reporter` as it finishes a stage."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Optional
+
+import fastpin
+from fastpin import _C
+
+from ._optional import torch
+from .host import MB
+from .paths import SideStreamPrefetcher
+from .progress import Progress
+from .results import workers_label
+from .runner import out_of_time
+from .workloads import Images
+
+_QUIET = Progress(0, enabled=False)  # a table run on its own reports nothing
+
+
+def _patterned(nbytes: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(nbytes)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def _time(fn, nbytes: int, min_seconds: float, min_iters: int) -> float:
+    """Median GB/s of fn() over at least min_iters calls and min_seconds."""
+    for _ in range(3):
+        fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_iters or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+class _Threads:
+    """torch.set_num_threads for the duration of a block."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __enter__(self):
+        self.saved = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.saved)
+
+
+def _pin_row(size_mb: float, gpu: bool, all_threads: int, min_seconds: float,
+             min_iters: int) -> dict:
+    nbytes = int(size_mb * MB)
+    src = _patterned(nbytes)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault its pages in before timing
+    row = {"size_mb": size_mb}
+    with _Threads(1):
+        row["memcpy_1"] = _time(lambda: dst.copy_(src), nbytes, min_seconds, min_iters)
+    with _Threads(all_threads):
+        row["memcpy_n"] = _time(lambda: dst.copy_(src), nbytes, min_seconds, min_iters)
+    # The same copy on fastpin's pool, into ordinary memory: with torch's the
+    # best multi-thread memcpy rate this machine shows, the ceiling to compare with.
+    row["memcpy_pool"] = _time(lambda: _C.copy(dst.data_ptr(), src.data_ptr(), nbytes),
+                               nbytes, min_seconds, min_iters)
+    if gpu:
+        with _Threads(1):
+            row["torch_pin_1"] = _time(lambda: src.pin_memory(), nbytes, min_seconds, min_iters)
+        with _Threads(all_threads):
+            row["torch_pin_n"] = _time(lambda: src.pin_memory(), nbytes, min_seconds, min_iters)
+    pinned = fastpin.pin_memory(src)
+    if not torch.equal(pinned, src):
+        raise AssertionError("fastpin.pin_memory returned different data")
+    del pinned
+    row["fastpin"] = _time(lambda: fastpin.pin_memory(src), nbytes, min_seconds, min_iters)
+    return row
+
+
+def pin_table(sizes_mb, min_seconds: float = 0.5, min_iters: int = 5,
+              reporter: Progress = _QUIET) -> dict:
+    """Measure every pinning path at each size; returns the results as a dict."""
+    gpu = fastpin.cuda_available() and torch.cuda.is_available()
+    all_threads = torch.get_num_threads()
+    fastpin.configure(capacity=int(max(1 << 30, 3 * max(sizes_mb) * MB)))
+    rows = []
+    for size_mb in sizes_mb:
+        rows.append(_pin_row(size_mb, gpu, all_threads, min_seconds, min_iters))
+        reporter.step_done(f"  {size_mb:g} MiB done")
+    return {
+        "gpu": gpu,
+        "torch_threads": all_threads,
+        "fastpin_threads": _C.get_threads(),
+        "rows": rows,
+    }
+
+
+def _compute(x, weight, reps):
+    """A step of `reps` matrix products whose input depends on the batch."""
+    h = weight + x[:1].float().mean() * 0
+    for _ in range(reps):
+        h = h @ weight
+    return h
+
+
+def _cuda_timed(fn, n=10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def _step_time(loader, weight, reps) -> float:
+    """Seconds per step of `reps` products over the loader's batches (the first untimed)."""
+    it = iter(loader)
+    x = next(it)  # warm-up step, not timed
+    _compute(x, weight, reps)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n = 0
+    for x in it:
+        _compute(x, weight, reps)
+        n += 1
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def step_table(batch_mb: int = 256, steps: int = 100, reporter: Progress = _QUIET) -> dict:
+    """Step time of a simulated training loop with compute C and transfer T,
+    for C < T and C > T, through three paths fed the same pinned batches."""
+    nbytes = batch_mb * MB
+    pinned = [_patterned(nbytes + i).narrow(0, 0, nbytes).pin_memory() for i in range(4)]
+    weight = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    device = torch.device("cuda", torch.cuda.current_device())
+    # T: the copy alone; C per product: the compute alone.
+    transfer = _cuda_timed(lambda: pinned[0].to("cuda", non_blocking=True))
+    per_product = _cuda_timed(lambda: _compute(torch.empty(1, device="cuda"), weight, 50)) / 50
+    rows = []
+    for ratio in (0.5, 2.0):
+        reps = max(1, round(ratio * transfer / per_product))
+        feed = [pinned[i % len(pinned)] for i in range(steps)]
+        resident = pinned[0].to("cuda")
+        stock = (x.to("cuda", non_blocking=True) for x in feed)
+        # C: the same loop over a batch already on the GPU.
+        compute = _step_time((resident for _ in range(steps)), weight, reps)
+        row = {"compute_ms": compute * 1e3, "transfer_ms": transfer * 1e3,
+               "stock_ms": _step_time(stock, weight, reps) * 1e3,
+               "prefetcher_ms": _step_time(SideStreamPrefetcher(feed, device), weight, reps) * 1e3,
+               "fastpin_ms": _step_time(fastpin.Loader(feed, device="cuda"), weight, reps) * 1e3}
+        row["bound_ms"] = max(row["compute_ms"], row["transfer_ms"])
+        rows.append(row)
+        reporter.step_done(f"  step C/T={ratio:g} done")
+    return {"batch_mb": batch_mb, "steps": steps, "rows": rows}
+
+
+def format_step_table(result: dict) -> str:
+    lines = [
+        f"Batch of {result['batch_mb']} MiB (pinned), {result['steps']} steps; ms per step.",
+        "",
+        "| compute C | transfer T | max(C, T) | stock .to(non_blocking) | timm/Apex prefetcher | "
+        "fastpin.Loader | fastpin / max(C, T) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['compute_ms']:.2f} | {r['transfer_ms']:.2f} | {r['bound_ms']:.2f} | "
+            f"{r['stock_ms']:.2f} | {r['prefetcher_ms']:.2f} | {r['fastpin_ms']:.2f} | "
+            f"{r['fastpin_ms'] / r['bound_ms']:.3f}x |")
+    return "\n".join(lines)
+
+
+def _delivered(loader, to_device: bool, gpu: bool, batches: int, batch_bytes: int,
+               max_seconds: Optional[float], timed: list) -> tuple:
+    """(GB/s, main-process CPU ms per batch) of `loader` after 5 untimed batches;
+    appends the batches timed to `timed`."""
+    it = iter(loader)
+    for _ in range(5):  # workers up, arena warm
+        x = next(it)[0]
+    if gpu:
+        torch.cuda.synchronize()
+    t0, c0 = time.perf_counter(), time.process_time()
+    n = 0
+    for x, _ in it:
+        if to_device:
+            x = x.to("cuda", non_blocking=True)
+        n += 1
+        if n == batches or out_of_time(t0, n, max_seconds):
+            break
+    if gpu:
+        torch.cuda.synchronize()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    del it
+    timed.append(n)
+    return n * batch_bytes / wall / 1e9, cpu / n * 1e3
+
+
+def _loader_row(data, dtype_name: str, nw: int, g, gpu: bool, batches: int, batch_size: int,
+                max_seconds: Optional[float], reporter: Progress) -> dict:
+    """One dtype and worker count through the three paths."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from fastpin._zerocopy import capacity_for
+
+    device = "cuda" if gpu else None
+    batch_bytes = batch_size * data[0].numel() * data.element_size()
+
+    def make():
+        sampler = RandomSampler(Images(data), replacement=True,
+                                num_samples=batch_size * (batches + 10), generator=g)
+        dl = DataLoader(Images(data), batch_size=batch_size, sampler=sampler,
+                        num_workers=nw, pin_memory=gpu, persistent_workers=False)
+        return dl
+
+    def measure(loader, to_device):
+        return _delivered(loader, to_device, gpu, batches, batch_bytes, max_seconds, timed)
+
+    row = {"dtype": dtype_name, "workers": nw, "batch_mb": batch_bytes / MB}
+    timed: list = []  # batches each path timed
+    row["stock_gbps"], row["stock_cpu_ms"] = measure(make(), gpu)
+    reporter.step_done(f"  {dtype_name} {workers_label(nw)}: pin_memory={gpu} done")
+    dl = make()
+    dl.pin_memory = False
+    capacity = max(1 << 30, capacity_for(dl, batch_bytes, depth=2))  # Loader's depth
+    fastpin.configure(capacity=capacity)
+    row["copy_gbps"], row["copy_cpu_ms"] = measure(fastpin.Loader(dl, device=device), False)
+    reporter.step_done(f"  {dtype_name} {workers_label(nw)}: fastpin.Loader done")
+    dl = make()
+    dl.pin_memory = False
+    zc = fastpin.Loader(dl, device=device, zero_copy=True, capacity=capacity)
+    row["zero_copy_gbps"], row["zero_copy_cpu_ms"] = measure(zc, False)
+    row["zero_copy_fallbacks"] = zc.stats()["worker_fallbacks"]
+    row["batches_timed"] = timed
+    reporter.step_done(f"  {dtype_name} {workers_label(nw)}: zero-copy done")
+    return row
+
+
+def loader_table(workers=(8, 15), batches: int = 300, batch_size: int = 256,
+                 dtypes=("uint8", "float32"), max_seconds: Optional[float] = None,
+                 reporter: Progress = _QUIET) -> dict:
+    """Delivered GB/s of a DataLoader over in-memory 3x224x224 images, random
+    sampling over one long epoch, no compute: pin_memory=True, fastpin.Loader
+    copying, fastpin.Loader(zero_copy=True). With no GPU, batches are delivered
+    to the host instead (and pin_memory=True cannot pin). Each path is timed
+    over `batches` batches, or fewer once `max_seconds` have passed."""
+    gpu = fastpin.cuda_available() and torch.cuda.is_available()
+    rows = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        g = torch.Generator().manual_seed(7)
+        data = torch.randint(0, 256, (1024, 3, 224, 224), dtype=torch.uint8, generator=g).to(dtype)
+        for nw in workers:
+            rows.append(_loader_row(data, dtype_name, nw, g, gpu, batches, batch_size,
+                                    max_seconds, reporter))
+    return {"gpu": gpu, "batches": batches, "batch_size": batch_size, "rows": rows,
+            "max_seconds": max_seconds}
+
+
+def format_loader_table(result: dict) -> str:
+    # With no GPU, torch cannot pin: the stock column ran DataLoader(pin_memory=False).
+    stock = "pin_memory=True" if result["gpu"] else "pin_memory=False"
+    where = ("to the GPU" if result["gpu"] else
+             "to host batches (no GPU here: nothing is page-locked, and torch cannot pin, so "
+             "the stock DataLoader ran with pin_memory=False)")
+    budget = (f" (or fewer, once {result['max_seconds']:g} s had passed)"
+              if result.get("max_seconds") else "")
+    lines = [
+        f"Delivered {where}, GB/s; main-process CPU ms per batch in brackets. "
+        f"{result['batches']} batches{budget} of {result['batch_size']} images 3x224x224 "
+        "per path, random sampling.",
+        "",
+        f"| dtype | workers | batch | {stock} | fastpin.Loader | fastpin.Loader(zero_copy) | "
+        f"zero-copy / {stock} | worker fallbacks |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['dtype']} | {r['workers']} | {r['batch_mb']:.1f} MiB | "
+            f"{r['stock_gbps']:.1f} ({r['stock_cpu_ms']:.2f}) | "
+            f"{r['copy_gbps']:.1f} ({r['copy_cpu_ms']:.2f}) | "
+            f"{r['zero_copy_gbps']:.1f} ({r['zero_copy_cpu_ms']:.2f}) | "
+            f"{r['zero_copy_gbps'] / r['stock_gbps']:.1f}x | {r['zero_copy_fallbacks']} |")
+    if result.get("max_seconds"):
+        timed = ", ".join(f"{r['dtype']} {workers_label(r['workers'])} "
+                          f"{'/'.join(map(str, r['batches_timed']))}"
+                          for r in result["rows"] if r.get("batches_timed"))
+        lines += ["", f"Batches timed ({stock} / fastpin.Loader / zero-copy): {timed}."]
+    return "\n".join(lines)
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
+def format_pin_table(result: dict) -> str:
+    n, fp = result["torch_threads"], result["fastpin_threads"]
+    lines = [
+        f"| batch | memcpy 1 thread | memcpy {n} threads (torch) | memcpy {fp} threads (pool) | "
+        f"torch pin 1 thread | torch pin {n} threads | fastpin ({fp} threads) | "
+        "fastpin / best memcpy | fastpin / torch pin 1 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        t1 = r.get("torch_pin_1")
+        best = max(r["memcpy_n"], r["memcpy_pool"])
+        lines.append(
+            f"| {r['size_mb']:g} MiB | {_fmt(r['memcpy_1'])} | {_fmt(r['memcpy_n'])} | "
+            f"{_fmt(r['memcpy_pool'])} | {_fmt(t1)} | "
+            f"{_fmt(r.get('torch_pin_n'))} | {_fmt(r['fastpin'])} | "
+            f"{r['fastpin'] / best:.2f}x | "
+            f"{'n/a' if t1 is None else format(r['fastpin'] / t1, '.2f') + 'x'} |")
+    lines.append("")
+    lines.append("GB/s, median of repeated calls on the same patterned batch.")
+    if not result["gpu"]:
+        lines.append("No GPU: nothing is page-locked here; torch cannot pin without an "
+                     "accelerator, so its pin rows are n/a and fastpin copies into ordinary memory.")
+    return "\n".join(lines)

@@ -1,0 +1,255 @@
+"""The paths a batch can take from a loader to its consumer, in one registry.
+
+PATHS maps each path's name to its PathInfo: the label and description that
+--list, --path and the tables show, what it needs (a GPU, a GPU to deliver to),
+and its factory, which stands under its description. The factory gets a
+PathRun (the loader factory, where batches go, the arena to use) and returns
+the iterator of delivered batches, noting on the PathRun the arena and the
+fastpin.Loader it made. compare() and the training case both run paths
+through this registry, and nothing else names them."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import fastpin
+from fastpin import _C
+from fastpin._walk import map_leaves
+
+from ._optional import torch
+from .host import MB
+
+
+def gpu_usable() -> tuple:
+    """(a CUDA GPU is usable by fastpin and torch, why not)."""
+    status = fastpin.cuda_status()
+    if status.state != "ready":
+        return False, status.reason
+    if not torch.cuda.is_available():
+        return False, f"torch {torch.__version__} sees no GPU (a CPU build?)"
+    return True, ""
+
+
+def target_of(device: Any) -> tuple:
+    """Where batches are delivered: a CUDA device, or None for the host; and,
+    for the host, why (no GPU, or asked for)."""
+    gpu, why = gpu_usable()
+    if isinstance(device, str) and device in ("auto",):
+        return (torch.device("cuda", torch.cuda.current_device()), "") if gpu else (None, why)
+    if device is None or (isinstance(device, str) and device in ("host", "cpu")):
+        return None, "the target is the host (device=None)"
+    dev = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    if dev.type != "cuda":
+        raise ValueError(f"device must be 'auto', None/'host' or a CUDA device, not {device!r}")
+    if not gpu:
+        return None, why
+    return (dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device()),
+            "")
+
+
+def why_not(path: str, target: Optional[torch.device], host_reason: str) -> Optional[str]:
+    """Why `path` cannot run here, or None."""
+    info = PATHS[path]
+    gpu, why = gpu_usable()
+    if info.needs_gpu and not gpu:
+        return f"needs a GPU ({why})"
+    if info.needs_cuda_target and target is None:
+        return f"delivers to a GPU, and {host_reason}"
+    return None
+
+
+# ---- delivering batches ------------------------------------------------------------
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    return map_leaves(batch, lambda x: isinstance(x, torch.Tensor),
+                      lambda x: x.to(device, non_blocking=True))
+
+
+def shutdown(it: Any) -> None:
+    """End an iterator now: generators and fastpin epochs close, a DataLoader's
+    worker processes stop (instead of whenever the garbage collector gets to it)."""
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+    stop = getattr(it, "_shutdown_workers", None)
+    if stop is not None:
+        stop()
+
+
+def record_stream(batch: Any, stream: Any) -> None:
+    map_leaves(batch, lambda x: isinstance(x, torch.Tensor) and x.is_cuda,
+               lambda x: x.record_stream(stream))
+
+
+class SideStreamPrefetcher:
+    """timm's PrefetchLoader / Apex's data_prefetcher for nested batches: copy batch
+    N+1 on a side stream while batch N computes; the compute stream waits on the
+    side stream before it takes the batch."""
+
+    def __init__(self, loader: Iterable, device: torch.device):
+        self.loader, self.device = loader, device
+
+    def __iter__(self):
+        stream = torch.cuda.Stream(self.device)
+        it = iter(self.loader)
+        try:
+            first, current = True, None
+            for batch in it:
+                with torch.cuda.stream(stream):
+                    nxt = to_device(batch, self.device)
+                if not first:
+                    yield current
+                else:
+                    first = False
+                consumer = torch.cuda.current_stream(self.device)
+                consumer.wait_stream(stream)
+                record_stream(nxt, consumer)
+                current = nxt
+            if not first:
+                yield current
+        finally:
+            shutdown(it)
+
+
+def plain(loader: Iterable, target: Optional[torch.device],
+          pin: Optional[Callable[[Any], Any]] = None) -> Iterator:
+    """The loader's batches, pinned by `pin` if given, then copied to `target`."""
+    it = iter(loader)
+    try:
+        for batch in it:
+            if pin is not None:
+                batch = pin(batch)
+            yield batch if target is None else to_device(batch, target)
+    finally:
+        shutdown(it)
+
+
+def no_pin(loader: Any) -> Any:
+    if isinstance(loader, torch.utils.data.DataLoader) and loader.pin_memory:
+        loader.pin_memory = False  # the factory ignored pin_memory=False
+    return loader
+
+
+# ---- the registry -------------------------------------------------------------------
+
+class PathSkipped(Exception):
+    """A path cannot run over what the loader factory made; the message says why."""
+
+
+@dataclasses.dataclass
+class PathRun:
+    """What a path's factory is given, and what it leaves for the runner to read."""
+
+    factory: Callable[[bool], Iterable]  # loader_factory(pin_memory) -> a fresh loader
+    target: Any                          # the CUDA device batches go to; None: the host
+    depth: int = 2                       # fastpin.Loader's batches prepared ahead
+    capacity: Optional[int] = None       # bytes of the path's own arena; None: fastpin's
+                                         # defaults (the default arena; zero-copy sizes itself)
+    batch_bytes: int = 0                 # the largest batch seen (zero-copy's room)
+    arena: Any = None                    # set by the factory: the arena it pins in, if its own
+    loader: Any = None                   # set by the factory: its fastpin.Loader, if any
+    consumer: Any = dataclasses.field(init=False, default=None)  # the target's current stream
+
+    def __post_init__(self):
+        if self.target is not None:
+            self.consumer = torch.cuda.current_stream(self.target)
+
+    def own_arena(self) -> Optional[_C.Arena]:
+        """An arena of `capacity` bytes for this path alone (None: none asked for)."""
+        if self.capacity is not None:
+            index = self.target.index if self.target is not None else 0
+            self.arena = _C.Arena(self.capacity, device=index, cuda=fastpin.cuda_available())
+        return self.arena
+
+
+@dataclasses.dataclass(frozen=True)
+class PathInfo:
+    name: str
+    label: str
+    what: str
+    needs_cuda_target: bool   # delivers to the GPU only
+    needs_gpu: bool           # needs a GPU even to deliver host batches
+    fastpin: bool
+    make: Callable[[PathRun], Iterator] = dataclasses.field(repr=False, compare=False)
+    torch_pinning: bool = False  # measures torch's own pinning (fastpin.install() lifted)
+
+
+PATHS: dict = {}
+
+
+def _path(name: str, label: str, what: str, *, cuda_target: bool = False, gpu: bool = False,
+          uses_fastpin: bool = False, torch_pinning: bool = False):
+    """Registers the factory under it as path `name` (PATHS keeps this file's order)."""
+    def register(make: Callable[[PathRun], Iterator]) -> Callable[[PathRun], Iterator]:
+        PATHS[name] = PathInfo(name, label, what, cuda_target, gpu, uses_fastpin, make,
+                               torch_pinning)
+        return make
+    return register
+
+
+@_path("pageable", "pageable .to()",
+       "DataLoader(pin_memory=False); batch.to(device, non_blocking=True)")
+def _pageable(run: PathRun) -> Iterator:
+    return plain(no_pin(run.factory(False)), run.target)
+
+
+@_path("pin_memory", "pin_memory=True",
+       "DataLoader(pin_memory=True), torch's pin thread; batch.to(device, non_blocking=True)",
+       gpu=True, torch_pinning=True)
+def _pin_memory(run: PathRun) -> Iterator:
+    return plain(run.factory(True), run.target)
+
+
+@_path("prefetcher", "timm/Apex prefetcher",
+       "DataLoader(pin_memory=True) under a side-stream prefetcher (timm PrefetchLoader, "
+       "Apex data_prefetcher)", cuda_target=True, gpu=True, torch_pinning=True)
+def _prefetcher(run: PathRun) -> Iterator:
+    return plain(SideStreamPrefetcher(run.factory(True), run.target), None)
+
+
+@_path("fastpin_pin", "fastpin.pin_memory",
+       "DataLoader(pin_memory=False); fastpin.pin_memory(batch) in the loop; then .to()",
+       uses_fastpin=True)
+def _fastpin_pin(run: PathRun) -> Iterator:
+    arena, consumer = run.own_arena(), run.consumer
+    return plain(no_pin(run.factory(False)), run.target,
+                 lambda b: fastpin.pin_memory(b, arena=arena, stream=consumer))
+
+
+@_path("loader_host", "Loader(device=None)",
+       "fastpin.Loader(loader, device=None): pinned host batches; then .to()", uses_fastpin=True)
+def _loader_host(run: PathRun) -> Iterator:
+    run.loader = fastpin.Loader(no_pin(run.factory(False)), device=None, depth=run.depth,
+                                arena=run.own_arena())
+    return plain(run.loader, run.target)
+
+
+@_path("loader_cuda", "Loader(device=cuda)",
+       "fastpin.Loader(loader, device='cuda'): copied on a side stream", cuda_target=True,
+       gpu=True, uses_fastpin=True)
+def _loader_cuda(run: PathRun) -> Iterator:
+    run.loader = fastpin.Loader(no_pin(run.factory(False)), device=run.target, depth=run.depth,
+                                arena=run.own_arena())
+    return plain(run.loader, None)
+
+
+@_path("zero_copy", "Loader(zero_copy)",
+       "fastpin.Loader(loader, zero_copy=True): workers collate into the shared pinned "
+       "arena", uses_fastpin=True)
+def _zero_copy(run: PathRun) -> Iterator:
+    loader = no_pin(run.factory(False))
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise PathSkipped(f"needs a torch DataLoader (the factory made a {type(loader).__name__})")
+    sizing: dict = {}
+    if run.capacity is not None:
+        from fastpin._zerocopy import capacity_for
+
+        # Room for every batch the workers have in flight, or they fall back.
+        need = -(-capacity_for(loader, run.batch_bytes, run.depth) // MB) * MB
+        sizing["capacity"] = max(run.capacity, need)
+    run.loader = fastpin.Loader(loader, device=run.target, depth=run.depth,
+                                zero_copy=True, **sizing)
+    if not run.loader.zero_copy:
+        raise PathSkipped("the DataLoader's workers already run")
+    run.arena = run.loader.arena
+    return plain(run.loader, None)

@@ -1,0 +1,339 @@
+"""Measuring: compare() runs a loader factory through each path of the
+registry (run_path: set up, warm up, time, read the figures, tear down) and
+gathers one Row per path into a Results."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import fastpin
+from fastpin._walk import nbytes as batch_nbytes
+
+from ._optional import torch
+from .host import MB, machine
+from .paths import PATHS, PathRun, PathSkipped, gpu_usable, target_of, why_not
+from .progress import Progress, reporter_for
+from .results import Results, Row, few_warning, too_few
+
+log = logging.getLogger("fastpin.bench")
+
+MIN_TIMED = 5  # batches a path times at least, whatever its time budget
+
+
+def out_of_time(t0: float, n: int, max_seconds: Optional[float]) -> bool:
+    """A path's time budget is spent (it always times a few batches first)."""
+    return bool(max_seconds) and n >= MIN_TIMED and time.perf_counter() - t0 >= max_seconds
+
+
+def children_cpu(since: Optional[dict] = None):
+    """CPU seconds of this process's live child processes (DataLoader workers):
+    with `since` (an earlier call's result), the seconds they used after it, a
+    child that started later counted from zero; without, {pid: seconds} now.
+    Read from /proc; children that ended in between are not counted (their
+    epoch outlives the timed window, so none of the workers' do)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    now: dict = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0 if since is not None else now
+    pids: set = set()
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids.update(int(p) for p in f.read().split())
+        except OSError:
+            continue
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        now[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    if since is None:
+        return now
+    return sum(seconds - since.get(pid, 0.0) for pid, seconds in now.items())
+
+
+_cycles_per_ms: dict = {}
+
+
+def gpu_compute(ms: float, device: torch.device) -> Callable[[Any], None]:
+    """A kernel on the current stream that spins for `ms` (calibrated once)."""
+    if device not in _cycles_per_ms:
+        with torch.cuda.device(device):
+            cycles = 10_000_000
+            torch.cuda._sleep(cycles // 10)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            _cycles_per_ms[device] = cycles / max(start.elapsed_time(end), 1e-3)
+    n = max(1, int(ms * _cycles_per_ms[device]))
+    return lambda batch: torch.cuda._sleep(n)
+
+
+def host_compute(ms: float) -> Callable[[Any], None]:
+    return lambda batch: time.sleep(ms / 1e3)
+
+
+def torch_pinned(gpu: bool, reset: bool = False) -> Optional[int]:
+    """Bytes torch's pinned-memory cache holds now; with reset, empty it first.
+    The cache keeps every block it made until emptied, so at the end of a path
+    this is what the path left page-locked (with any block an earlier path left
+    that torch would not release). Its "peak" figures are sums of per-size-bucket
+    peaks, not a peak of memory in use: not reported."""
+    if not gpu:
+        return 0
+    try:
+        if reset:
+            empty = getattr(torch.accelerator, "empty_host_cache", None) or \
+                getattr(torch._C, "_host_emptyCache", None)
+            if empty is not None:
+                empty()
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+    except (AttributeError, RuntimeError):  # an older torch
+        return None
+
+
+def settle(gpu: bool) -> None:
+    gc.collect()
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ---- one path ------------------------------------------------------------------------
+
+class _RanOut(Exception):
+    """The loader ran out before anything was timed; the message says when."""
+
+
+@dataclasses.dataclass
+class _Timed:
+    """What the timed batches of one path came to."""
+
+    n: int
+    nbytes: int
+    largest: int
+    start: float         # perf_counter() when timing began
+    wall: float
+    cpu: float           # this process
+    workers_cpu: float   # its child processes
+
+
+def _sync(run: PathRun) -> None:
+    if run.consumer is not None:
+        run.consumer.synchronize()
+
+
+def _warm_up(row: Row, feed: Any, run: PathRun, step: Optional[Callable], warmup: int,
+             reporter: Progress, t0: float) -> None:
+    """The first batch (row.first_batch_s: seconds from t0) and `warmup` more, untimed."""
+    def one() -> Any:
+        batch = next(feed)
+        if step is not None:
+            step(batch)
+        reporter.update(1)
+        return batch
+
+    try:
+        batch = one()
+        _sync(run)
+        row.first_batch_s = time.perf_counter() - t0
+        for _ in range(warmup):
+            batch = one()
+        del batch
+    except StopIteration:
+        raise _RanOut("the loader ran out during warm-up") from None
+    _sync(run)
+
+
+def _time_batches(feed: Any, run: PathRun, step: Optional[Callable], batches: int,
+                  max_seconds: Optional[float], reporter: Progress) -> _Timed:
+    n = nbytes = largest = 0
+    t1, c1, w1 = time.perf_counter(), time.process_time(), children_cpu()
+    for batch in feed:
+        size = batch_nbytes(batch)
+        nbytes += size
+        largest = max(largest, size)
+        if step is not None:
+            step(batch)
+        n += 1
+        reporter.update(1)
+        if n == batches or out_of_time(t1, n, max_seconds):
+            break
+    batch = None  # noqa: F841 - the last batch is not held while the stream drains
+    _sync(run)
+    wall, cpu = time.perf_counter() - t1, time.process_time() - c1
+    if n == 0:
+        raise _RanOut("the loader ran out after the warm-up")
+    return _Timed(n, nbytes, largest, t1, wall, cpu, children_cpu(w1))
+
+
+def _figures(row: Row, t: _Timed, batches: int, max_seconds: Optional[float]) -> None:
+    row.batches = t.n
+    row.batch_mb = t.nbytes / t.n / MB
+    row.gbps = t.nbytes / t.wall / 1e9
+    row.step_ms = t.wall / t.n * 1e3
+    row.cpu_ms = t.cpu / t.n * 1e3
+    if t.nbytes:
+        row.cpu_s_per_gb = (t.cpu + t.workers_cpu) / (t.nbytes / 1e9)
+    if t.n < batches and not out_of_time(t.start, t.n, max_seconds):
+        row.reason = f"the loader ran out after {t.n} of {batches} batches"
+
+
+def _memory(row: Row, run: PathRun, gpu: bool, fallbacks0: int) -> None:
+    """Pinned memory held and peak used; for fastpin's paths, the fallbacks."""
+    arena = run.arena
+    if arena is None:   # torch's paths: its pinned cache, as the path left it
+        held, used = torch_pinned(gpu), None
+    else:               # fastpin's: its page-locked arena (torch pinned nothing)
+        held, used = (arena.capacity if arena.registered else 0), arena.stats()["high_water"]
+    row.pinned_mb = None if held is None else held / MB
+    row.pool_peak_mb = None if used is None else used / MB
+    if PATHS[row.path].fastpin:
+        row.fallbacks = fastpin.stats()["fallbacks"] - fallbacks0
+        if run.loader is not None:
+            row.fallbacks += run.loader.stats()["fallbacks"]
+
+
+def run_path(path: str, run: PathRun, *, batches: int, warmup: int,
+             step: Optional[Callable[[Any], Any]], reporter: Progress,
+             max_seconds: Optional[float] = None) -> Row:
+    """One path over a fresh loader: its Row, 'failed' or 'skipped' with the
+    reason where it could not be measured (one path failing ends no others)."""
+    info = PATHS[path]
+    gpu, _ = gpu_usable()
+    fallbacks0 = fastpin.stats()["fallbacks"]
+    # torch's own paths measure torch's pinning, even after fastpin.install().
+    reinstall = info.torch_pinning and fastpin.installed()
+    if reinstall:
+        fastpin.uninstall()
+    torch_pinned(gpu, reset=True)
+    watch = reporter.hang_watch(info.label)
+    feed: Any = None
+    row = Row(path)
+    try:
+        t0 = time.perf_counter()
+        feed = info.make(run)
+        _warm_up(row, feed, run, step, warmup, reporter, t0)
+        timed = _time_batches(feed, run, step, batches, max_seconds, reporter)
+        run.batch_bytes = max(run.batch_bytes, timed.largest)
+        _figures(row, timed, batches, max_seconds)
+        _memory(row, run, gpu, fallbacks0)
+        return row
+    except PathSkipped as exc:
+        return Row(path, status="skipped", reason=str(exc))
+    except _RanOut as exc:
+        row.status, row.reason = "failed", str(exc)
+        return row
+    except Exception as exc:  # one path failing does not end the comparison
+        log.debug("fastpin.bench: %s failed", path, exc_info=True)
+        return Row(path, status="failed", reason=f"{type(exc).__name__}: {exc}")
+    finally:
+        if watch is not None:
+            watch.cancel()
+        if feed is not None:
+            feed.close()
+        feed = run.loader = run.arena = None
+        settle(gpu)
+        if reinstall:
+            fastpin.install()
+
+
+# ---- every path ----------------------------------------------------------------------
+
+def compare(loader_factory: Callable[[bool], Iterable], *,
+            paths: Optional[Sequence[str]] = None, batches: int = 50, warmup: int = 3,
+            device: Any = "auto", compute_ms: float = 0.0,
+            step: Optional[Callable[[Any], Any]] = None, capacity: Optional[int] = None,
+            batch_bytes: Optional[int] = None, depth: int = 2, progress: Any = True,
+            name: str = "compare", title: str = "",
+            max_seconds: Optional[float] = None) -> Results:
+    """Run your own DataLoader through every pinning path and measure each.
+
+    loader_factory(pin_memory: bool) returns a fresh loader each call (a
+        torch.utils.data.DataLoader, or any iterable of batches; zero_copy needs a
+        DataLoader whose workers have not started). Every path iterates its own:
+        pin_memory=True for torch's pinning paths, False for fastpin's. Make it
+        yield the same batches each time (a seeded sampler) for a like-for-like run,
+        and at least 1 + warmup + batches of them.
+    paths: names from fastpin.bench.PATHS (default: all, in that order); those that
+        cannot run here are kept as rows with status 'skipped' and the reason.
+    batches / warmup: batches timed per path, after the first one and `warmup` more.
+    max_seconds: a time budget per path: it stops timing once this much has passed
+        (after at least 5 batches), so slow paths do not hold up a run. None: none.
+    device: 'auto' (the current GPU, else the host), a CUDA device, or None/'host':
+        where batches are delivered. Without a GPU the GPU paths are skipped.
+    compute_ms: simulated compute per step: a GPU kernel that spins that long on the
+        current stream (with no GPU: the main thread sleeps). 0: no compute.
+    step: your own step, called with every delivered batch (instead of compute_ms).
+    capacity: bytes of each fastpin arena (default: fastpin.configure's, 1 GiB).
+        Zero-copy's shared arena gets at least room for the batches its workers
+        have in flight (prefetch_factor x num_workers, plus depth + 6), sized by
+        the largest batch the earlier paths saw, or by `batch_bytes` if given.
+    depth: fastpin.Loader's batches prepared ahead.
+    progress: a progress bar on stderr (tqdm where installed); or a
+        fastpin.bench.progress.Progress to report to (one bar over many runs).
+
+    Returns a Results: one Row per path with delivered GB/s, step ms, main-process
+    CPU ms per batch, pinned MiB held and peak in use, seconds to the first batch.
+    It changes no global setting (each fastpin path gets an arena of its own).
+    """
+    from fastpin._arena import get_capacity
+
+    paths = list(PATHS) if paths is None else list(paths)
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        raise ValueError(f"unknown paths {unknown}; choose from {list(PATHS)}")
+    if batches < 1 or warmup < 0:
+        raise ValueError("batches must be at least 1 and warmup at least 0")
+    target, host_reason = target_of(device)
+    if step is None and compute_ms > 0:
+        step = gpu_compute(compute_ms, target) if target is not None else host_compute(compute_ms)
+    results = Results(rows=[], name=name, title=title, device=str(target or "host"),
+                      batches=batches, warmup=warmup, compute_ms=compute_ms,
+                      max_seconds=max_seconds, machine=machine())
+    runnable = [p for p in paths if why_not(p, target, host_reason) is None]
+    reporter, own = reporter_for(progress, len(runnable) * (1 + warmup + batches), name)
+    capacity = int(capacity or get_capacity())
+    seen = {"batch_bytes": int(batch_bytes or 0)}   # the largest batch so far, for zero-copy
+    try:
+        for path in paths:
+            why = why_not(path, target, host_reason)
+            if why is not None:
+                results.rows.append(Row(path, status="skipped", reason=why))
+                continue
+            run = PathRun(loader_factory, target, depth=depth, capacity=capacity,
+                          batch_bytes=seen["batch_bytes"])
+            results.rows.append(_measured(path, run, results, step, reporter))
+            seen["batch_bytes"] = run.batch_bytes
+    finally:
+        if own:
+            reporter.close()
+    return results
+
+
+def _measured(path: str, run: PathRun, results: Results, step: Optional[Callable],
+              reporter: Progress) -> Row:
+    """run_path() under a stage of the reporter, which notes what went wrong."""
+    name, label = results.name, PATHS[path].label
+    reporter.stage(f"{name}: {label}")
+    n0 = reporter.n
+    row = run_path(path, run, batches=results.batches, warmup=results.warmup, step=step,
+                   reporter=reporter, max_seconds=results.max_seconds)
+    reporter.skip(max(0, (1 + results.warmup + results.batches) - (reporter.n - n0)))
+    if not row.ok:
+        log.info("fastpin.bench: %s %s: %s", label, row.status, row.reason)
+        reporter.note(f"  {name}: {label} {row.status}: {row.reason}")
+    elif row.reason or too_few(row):
+        reporter.note(f"  {name}: " + (few_warning(row) if too_few(row) else
+                                       f"{label}: {row.reason}"))
+    return row
