@@ -11,7 +11,8 @@ import sysconfig
 import numpy
 from setuptools import Extension, setup
 
-SOURCES = ["arena.c", "batch.c", "copier.c", "cuda.c", "dlpack.c", "error.c", "module.c", "stage.c"]
+SOURCES = ["arena.c", "batch.c", "copier.c", "cuda.c", "dlpack.c", "error.c", "lease.c",
+           "module.c", "prim.c", "repair.c", "stage.c", "tlsf.c"]
 
 cflags = ["-std=gnu11", "-Wall", "-Wextra", "-fvisibility=hidden"]
 ldflags = []
@@ -39,7 +40,8 @@ setup(
         Extension(
             "fastpin._C",
             sources=[os.path.join("csrc", s) for s in SOURCES],
-            depends=[os.path.join("csrc", h) for h in ("fastpin.h", "dlpack.h", "module.h")],
+            depends=[os.path.join("csrc", h)
+                     for h in ("fastpin.h", "arena_internal.h", "dlpack.h", "module.h")],
             include_dirs=["csrc", numpy.get_include()],
             extra_compile_args=cflags,
             extra_link_args=ldflags,

@@ -271,7 +271,7 @@ int fp_copier_create(fp_copier_t **out, int threads)
     if (c == NULL)
         return fp_error_set(FP_EOS, "copier: out of memory");
     c->threads = threads;
-    c->pid = getpid();
+    c->pid = fp_pid();
     if (threads > 1) {
         c->workers = calloc((size_t)threads - 1, sizeof *c->workers);
         if (c->workers == NULL) {
@@ -320,7 +320,7 @@ void fp_copier_destroy(fp_copier_t *copier)
     /* In a forked child the workers do not exist and the lock may have been
      * held at the fork: joining would hang, locking might. Leak the stacks;
      * free only what is ours. */
-    if (getpid() == copier->pid) {
+    if (fp_same_process(copier->pid)) {
         fp_copier_stop(copier, copier->nworkers);
         pthread_cond_destroy(&copier->work);
         pthread_mutex_destroy(&copier->lock);
@@ -360,9 +360,9 @@ int fp_copier_set_affinity(fp_copier_t *copier, const int *cpus, size_t count)
 {
     if (copier == NULL || (cpus == NULL && count > 0))
         return fp_error_set(FP_EINVAL, "copier affinity: NULL argument");
-    if (getpid() != copier->pid)
+    if (!fp_same_process(copier->pid))
         return fp_error_set(FP_EINVAL, "copier belongs to process %d; this is process %d",
-                            (int)copier->pid, (int)getpid());
+                            (int)copier->pid, (int)fp_pid());
     size_t ncpu = CPU_SETSIZE;
     cpu_set_t *set;
     if (count == 0) {
@@ -405,11 +405,11 @@ int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count)
         return fp_error_set(FP_EINVAL, "copier run: NULL argument");
     /* Checked even for runs the caller could do alone, so a forked child
      * learns at its first call, not at its first large one. */
-    if (getpid() != copier->pid)
+    if (!fp_same_process(copier->pid))
         return fp_error_set(FP_EINVAL,
                             "copier belongs to process %d; this is process "
                             "%d (create a new copier after fork)",
-                            (int)copier->pid, (int)getpid());
+                            (int)copier->pid, (int)fp_pid());
 
     size_t total = 0;
     for (size_t i = 0; i < count; i++) {

@@ -9,8 +9,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
-
 #include "fastpin.h"
 
 fp_cuda_t fp_cuda;
@@ -20,6 +18,13 @@ static pthread_once_t fp_cuda_once = PTHREAD_ONCE_INIT;
 static void fp_cuda_set_reason(const char *fmt, const char *detail)
 {
     snprintf(fp_cuda.reason, sizeof fp_cuda.reason, fmt, detail);
+}
+
+static int fp_cuda_count_devices(void)
+{
+    FP_CU_CHECK(cuInit(0));
+    FP_CU_CHECK(cuDeviceGetCount(&fp_cuda.device_count));
+    return FP_OK;
 }
 
 static void fp_cuda_load_once(void)
@@ -57,16 +62,10 @@ static void fp_cuda_load_once(void)
     if (fence && strcmp(fence, "sync") == 0)
         fp_cuda.cuCtxRecordEvent = NULL; /* tests of the tickets on any driver */
 
-    fp_cuda.cuDriverGetVersion(&fp_cuda.driver_version);
-    fp_cu_result_t r = fp_cuda.cuInit(0);
-    if (r == FP_CUDA_SUCCESS)
-        r = fp_cuda.cuDeviceGetCount(&fp_cuda.device_count);
-    if (r != FP_CUDA_SUCCESS) {
-        const char *text = NULL;
-        if (fp_cuda.cuGetErrorString(r, &text) != FP_CUDA_SUCCESS || !text)
-            text = "unknown driver error";
+    FP_CU_IGNORE(cuDriverGetVersion(&fp_cuda.driver_version));
+    if (fp_cuda_count_devices() != FP_OK) {
         fp_cuda.state = FP_CUDA_NO_DEVICE;
-        fp_cuda_set_reason("CUDA driver present but unusable: %s", text);
+        fp_cuda_set_reason("CUDA driver present but unusable: %s", fp_error_message());
         return;
     }
     if (fp_cuda.device_count == 0) {
@@ -83,7 +82,7 @@ static pid_t fp_cuda_pid; /* process that loaded the table */
 static void fp_cuda_load_and_mark(void)
 {
     fp_cuda_load_once();
-    fp_cuda_pid = getpid();
+    fp_cuda_pid = fp_pid();
 }
 
 int fp_cuda_load(void)
@@ -91,7 +90,7 @@ int fp_cuda_load(void)
     pthread_once(&fp_cuda_once, fp_cuda_load_and_mark);
     /* A child forked after the parent initialised CUDA inherits the table
      * but cannot use the driver: it works on, unpinned. */
-    if (fp_cuda.state == FP_CUDA_READY && fp_cuda_pid != getpid()) {
+    if (fp_cuda.state == FP_CUDA_READY && !fp_same_process(fp_cuda_pid)) {
         fp_cuda.state = FP_CUDA_NO_DEVICE;
         fp_cuda_set_reason("%s", "CUDA cannot be used in a process forked after CUDA was "
                                  "initialised; memory is not page-locked here");
@@ -106,18 +105,29 @@ int fp_cuda_error(fp_cu_result_t r, const char *what)
         name = "CUDA_ERROR";
     if (!fp_cuda.cuGetErrorString || fp_cuda.cuGetErrorString(r, &text) != 0 || !text)
         text = "unknown driver error";
-    return fp_error_set(FP_ECUDA, "%s failed: %s (%d): %s", what, name, r, text);
+    /* The check macros pass the whole call: name the entry point only. */
+    int len = (int)strcspn(what, "(");
+    return fp_error_set(FP_ECUDA, "%.*s failed: %s (%d): %s", len, what, name, r, text);
 }
 
-int fp_cuda_context_retain(int ordinal, fp_cu_context_t *ctx)
+/* The device of a visible ordinal, the driver loaded. */
+static int fp_cuda_device(int ordinal, fp_cu_device_t *dev)
 {
     if (fp_cuda_load() != FP_CUDA_READY)
         return fp_error_set(FP_ECUDA, "%s", fp_cuda.reason);
     if (ordinal < 0 || ordinal >= fp_cuda.device_count)
         return fp_error_set(FP_EINVAL, "CUDA device %d does not exist (%d visible)",
                             ordinal, fp_cuda.device_count);
+    FP_CU_CHECK(cuDeviceGet(dev, ordinal));
+    return FP_OK;
+}
+
+int fp_cuda_context_retain(int ordinal, fp_cu_context_t *ctx)
+{
     fp_cu_device_t dev;
-    FP_CU_CHECK(cuDeviceGet(&dev, ordinal));
+    int status = fp_cuda_device(ordinal, &dev);
+    if (status)
+        return status;
     FP_CU_CHECK(cuDevicePrimaryCtxRetain(ctx, dev));
     return FP_OK;
 }
@@ -125,8 +135,53 @@ int fp_cuda_context_retain(int ordinal, fp_cu_context_t *ctx)
 void fp_cuda_context_release(int ordinal)
 {
     fp_cu_device_t dev;
-    if (fp_cuda.cuDeviceGet(&dev, ordinal) == FP_CUDA_SUCCESS)
+    if (fp_cuda_device(ordinal, &dev) == FP_OK)
         FP_CU_IGNORE(cuDevicePrimaryCtxRelease(dev));
+}
+
+int fp_cuda_pci_bus_id(int ordinal, char *bus_id, int len)
+{
+    fp_cu_device_t dev;
+    int status = fp_cuda_device(ordinal, &dev);
+    if (status)
+        return status;
+    FP_CU_CHECK(cuDeviceGetPCIBusId(bus_id, len, dev));
+    return FP_OK;
+}
+
+/* ---- the current context ------------------------------------------------ */
+
+fp_cuda_scope_t fp_cuda_scope_enter(fp_cu_context_t ctx)
+{
+    fp_cuda_scope_t scope = {.pushed = 0, .result = FP_CUDA_SUCCESS};
+    if (ctx) {
+        scope.result = FP_CU_RESULT(cuCtxPushCurrent(ctx));
+        scope.pushed = scope.result == FP_CUDA_SUCCESS;
+    }
+    return scope;
+}
+
+void fp_cuda_scope_exit(fp_cuda_scope_t *scope)
+{
+    if (!scope->pushed)
+        return;
+    fp_cu_context_t popped;
+    FP_CU_IGNORE(cuCtxPopCurrent(&popped));
+    scope->pushed = 0;
+}
+
+int fp_cuda_scope_status(const fp_cuda_scope_t *scope)
+{
+    if (scope->result == FP_CUDA_SUCCESS)
+        return FP_OK;
+    return fp_cuda_error(scope->result, "cuCtxPushCurrent");
+}
+
+int fp_cuda_event_done(fp_cu_event_t event)
+{
+    /* Anything but NOT_READY (an error included) means the GPU no longer
+     * reads the block: an errored context will never run the copy. */
+    return FP_CU_RESULT(cuEventQuery(event)) != FP_CUDA_ERROR_NOT_READY;
 }
 
 /* ---- free fences ------------------------------------------------------- */
@@ -175,6 +230,14 @@ static pthread_cond_t fp_sync_work = PTHREAD_COND_INITIALIZER; /* tickets to ser
 static pthread_cond_t fp_sync_done = PTHREAD_COND_INITIALIZER; /* tickets completed */
 static fp_syncer_t fp_syncers[FP_SYNCERS];                     /* under fp_sync_lock */
 
+/* Any outcome ends the wait: a failed context runs no copy. */
+static void fp_syncer_sync(fp_cu_context_t ctx)
+{
+    FP_CUDA_SCOPE(scope, ctx);
+    if (scope.pushed)
+        FP_CU_IGNORE(cuCtxSynchronize());
+}
+
 static void *fp_syncer_main(void *arg)
 {
     fp_syncer_t *s = arg;
@@ -188,12 +251,8 @@ static void *fp_syncer_main(void *arg)
          * invalidated); a capture_begin waits for it meanwhile. */
         pthread_rwlock_rdlock(&fp_capture_lock);
         int capturing = fp_capture_count;
-        if (!capturing && fp_cuda.cuCtxPushCurrent(s->ctx) == FP_CUDA_SUCCESS) {
-            /* Any outcome ends the wait: a failed context runs no copy. */
-            FP_CU_IGNORE(cuCtxSynchronize());
-            fp_cu_context_t popped;
-            FP_CU_IGNORE(cuCtxPopCurrent(&popped));
-        }
+        if (!capturing)
+            fp_syncer_sync(s->ctx);
         pthread_rwlock_unlock(&fp_capture_lock);
         if (capturing) /* not allowed during a capture: look again soon */
             nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
@@ -210,7 +269,7 @@ static void *fp_syncer_main(void *arg)
  * can be had (table full, thread refused). Under fp_sync_lock. */
 static fp_syncer_t *fp_syncer_of(fp_cu_context_t ctx, int start)
 {
-    pid_t self = getpid();
+    pid_t self = fp_pid();
     fp_syncer_t *free_slot = NULL;
     for (int i = 0; i < FP_SYNCERS; i++) {
         fp_syncer_t *s = &fp_syncers[i];
@@ -271,12 +330,12 @@ const char *fp_cuda_fence_kind(void) { return fp_cuda.cuCtxRecordEvent ? "event"
 
 int fp_cuda_record(fp_cu_context_t ctx, fp_cu_event_t event, fp_cu_stream_t stream)
 {
-    if (fp_cuda.cuCtxPushCurrent(ctx) != FP_CUDA_SUCCESS)
+    FP_CUDA_SCOPE(scope, ctx);
+    if (!scope.pushed)
         return FP_FENCE_NONE;
-    fp_cu_result_t r = fp_cuda.cuEventRecord(event, stream);
-    fp_cu_context_t popped;
-    FP_CU_IGNORE(cuCtxPopCurrent(&popped));
-    return r == FP_CUDA_SUCCESS ? FP_FENCE_RECORDED : FP_FENCE_NONE;
+    /* Called where a block is freed: no message, the fence says what happened. */
+    return FP_CU_RESULT(cuEventRecord(event, stream)) == FP_CUDA_SUCCESS ? FP_FENCE_RECORDED
+                                                                          : FP_FENCE_NONE;
 }
 
 /* The legacy default stream: torch's default stream and every blocking
@@ -295,7 +354,7 @@ int fp_cuda_fence(fp_cu_context_t ctx, fp_cu_event_t event, uint64_t *ticket)
     pthread_rwlock_rdlock(&fp_capture_lock);
     if (!fp_capture_count) {
         /* Takes the context as an argument: nothing to push. */
-        fp_cu_result_t r = fp_cuda.cuCtxRecordEvent(ctx, event);
+        fp_cu_result_t r = FP_CU_RESULT(cuCtxRecordEvent(ctx, event));
         if (r == FP_CUDA_SUCCESS)
             fence = FP_FENCE_RECORDED;
         else if (r != FP_CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)

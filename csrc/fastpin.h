@@ -5,25 +5,33 @@
  *                still works, memory is simply not page-locked.
  *   fp_arena_t   one region of host memory (an anonymous shared mapping, or
  *                a memfd other processes can map), registered with CUDA once
- *                by the process that created it (arena.c). Shared in both
- *                cases so fork() copies no page-locked page; a forked child
- *                may read a private arena but not allocate in it.
- *                A shared arena is also mapped by worker processes, which
- *                attach through its memfd, fill blocks and hand them over:
- *                the creator adopts them. Workers never touch CUDA.
+ *                by the process that created it. Shared in both cases so
+ *                fork() copies no page-locked page; a forked child may read
+ *                a private arena but not allocate in it. Five files, mapped
+ *                by arena_internal.h: arena.c (lifecycle, lock, alloc,
+ *                deferred free), tlsf.c (the allocator on offsets alone),
+ *                repair.c (invariants, crash repair), lease.c (leases,
+ *                adoption), prim.c (the OS layer). A shared arena is also
+ *                mapped by worker processes, which attach through its memfd,
+ *                fill blocks and hand them over: the creator adopts them.
+ *                Workers never touch CUDA.
  *     -> size class   two-level segregated fit: 16 classes per power of two,
  *                     so a block wastes at most 1/17 of itself above 4 KiB
  *       -> block      a descriptor in a fixed table: offset and size in the
  *                     region, physical neighbours, list links. Offsets and
  *                     indices only, so the metadata can live in shared memory.
- *   fp_lease_t   a reference-counted hold on one allocated block; Python
- *                objects and DLPack exports each hold one. The last release
+ *   fp_lease_t   a reference-counted hold on one allocated block (lease.c);
+ *                Python objects and DLPack exports each hold one. The last release
  *                records the block's free event (a fence over every stream
  *                of its device, or one stream fastpin's own copies use) and
  *                hands the block back through the arena's return stack
  *                (deferred free), unless the block was detached for another
  *                process to adopt.
  *   fp_copier_t  a pool of pthreads that does large memcpy in chunks (copier.c)
+ *   fp_stage_h2d host-to-device copies, pageable sources staged through arena
+ *                blocks (stage.c)
+ *   fp_pid       this process, for every object that must tell whether it is
+ *                still in the process that made it (prim.c)
  *
  * NUMA: an arena may be created with a node, whose memory it prefers
  * (mbind before any page is touched), and the pool's threads may be pinned
@@ -59,6 +67,15 @@ int fp_error_set(int status, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 const char *fp_error_message(void);
 
+/* ---- this process (prim.c) --------------------------------------------- */
+
+/* getpid(), cached and refreshed in the child of every fork(): cheap enough
+ * for every allocation and free. */
+pid_t fp_pid(void);
+/* Whether `pid` (saved by whatever made an object) is this process: false
+ * in a child that inherited the object across fork. */
+int fp_same_process(pid_t pid);
+
 /* ---- CUDA driver (cuda.c) ---------------------------------------------- */
 
 /* Opaque driver handles. The struct tags are the driver's own, so the test
@@ -73,7 +90,6 @@ typedef struct CUevent_st *fp_cu_event_t;
 
 #define FP_CUDA_SUCCESS 0
 #define FP_CUDA_ERROR_NOT_READY 600
-#define FP_CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED 712
 #define FP_CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED 900
 #define FP_CU_MEMHOSTREGISTER_PORTABLE 0x01
 #define FP_CU_STREAM_NON_BLOCKING 0x1
@@ -163,6 +179,11 @@ int fp_cuda_error(fp_cu_result_t r, const char *what);
  * it; pair with fp_cuda_context_release. */
 int fp_cuda_context_retain(int ordinal, fp_cu_context_t *ctx);
 void fp_cuda_context_release(int ordinal);
+/* The PCI address ("dddd:bb:dd.f") of device `ordinal` into `bus_id` (`len`
+ * bytes, NUL-terminated by the driver); no context is made. */
+int fp_cuda_pci_bus_id(int ordinal, char *bus_id, int len);
+/* Whether the GPU is past `event` (or can never reach it: a failed context). */
+int fp_cuda_event_done(fp_cu_event_t event);
 
 /* Free fences. A block handed to the user may be read by a copy queued on
  * any stream of its device, named or not (a prefetcher's side stream, an
@@ -209,7 +230,10 @@ int fp_cuda_captures(void); /* captures under way now */
 
 /* The check trio (after NCCL's checks.h): return the status, or store it in
  * `status` and jump to `label`, or ignore the result (cleanup paths). The
- * message names the call. */
+ * message names the entry point. Every driver call goes through them, or
+ * through FP_CU_RESULT, kept to cuda.c, for the few results that are answers
+ * rather than errors (an event's NOT_READY, a capture refusing a context
+ * event, a push that may fail at exit). */
 #define FP_CU_CHECK(call)                                           \
     do {                                                            \
         fp_cu_result_t fp_r_ = fp_cuda.call;                        \
@@ -225,6 +249,24 @@ int fp_cuda_captures(void); /* captures under way now */
         }                                                           \
     } while (0)
 #define FP_CU_IGNORE(call) ((void)fp_cuda.call)
+#define FP_CU_RESULT(call) (fp_cuda.call)
+
+/* A context current for the rest of the enclosing block: FP_CUDA_SCOPE pushes
+ * it, and the block's end pops it however the block is left (return, break,
+ * goto out; never jump into the block past it). A NULL context pushes
+ * nothing. `scope.pushed` says whether the push worked; fp_cuda_scope_status
+ * turns a failed push into FP_ECUDA with the driver's message (the push
+ * itself sets no message, for the free and teardown paths that only skip). */
+typedef struct fp_cuda_scope_s {
+    int pushed;            /* the context is current; the block's end pops it */
+    fp_cu_result_t result; /* what the push returned; FP_CUDA_SUCCESS if none */
+} fp_cuda_scope_t;
+fp_cuda_scope_t fp_cuda_scope_enter(fp_cu_context_t ctx);
+void fp_cuda_scope_exit(fp_cuda_scope_t *scope);
+int fp_cuda_scope_status(const fp_cuda_scope_t *scope);
+#define FP_CUDA_SCOPE(scope, ctx)                                                \
+    fp_cuda_scope_t scope __attribute__((cleanup(fp_cuda_scope_exit), unused)) = \
+        fp_cuda_scope_enter(ctx)
 
 /* ---- atomics (after mimalloc's atomic.h: the order is in the name) ------ */
 
@@ -233,8 +275,6 @@ int fp_cuda_captures(void); /* captures under way now */
 #define fp_atomic_store_release(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
 #define fp_atomic_add_acq_rel(p, v) __atomic_add_fetch((p), (v), __ATOMIC_ACQ_REL)
 #define fp_atomic_sub_acq_rel(p, v) __atomic_sub_fetch((p), (v), __ATOMIC_ACQ_REL)
-#define fp_atomic_exchange_acq_rel(p, v) \
-    __atomic_exchange_n((p), (v), __ATOMIC_ACQ_REL)
 #define fp_atomic_cas_weak_release(p, expected, desired)                  \
     __atomic_compare_exchange_n((p), (expected), (desired), 1,            \
                                 __ATOMIC_RELEASE, __ATOMIC_RELAXED)
@@ -246,7 +286,7 @@ int fp_cuda_captures(void); /* captures under way now */
  * which is what the arena's lock recovery relies on. */
 #define fp_atomic_signal_fence_seq_cst() __atomic_signal_fence(__ATOMIC_SEQ_CST)
 
-/* ---- arena (arena.c) --------------------------------------------------- */
+/* ---- arena (arena.c; its pieces in arena_internal.h) -------------------- */
 
 #define FP_GRANULE 256u        /* block size and alignment unit, bytes */
 #define FP_SL_LOG2 4           /* 16 second-level classes per power of two */
@@ -337,12 +377,12 @@ void fp_arena_free(fp_arena_t *arena, uint32_t block, fp_cu_stream_t consumer);
 
 /* Returns completed blocks to the free lists now (drain + event query). Only
  * the creator can retire blocks freed with an event. */
-void fp_arena_collect(fp_arena_t *arena);
+int fp_arena_collect(fp_arena_t *arena);
 
 /* Frees every allocated block (not freed by its owner) whose owner is another
  * process that no longer exists: kill(pid, 0) fails with ESRCH, so a dead
- * child counts only once it has been reaped. Returns how many. */
-uint32_t fp_arena_reclaim(fp_arena_t *arena);
+ * child counts only once it has been reaped. *freed says how many. */
+int fp_arena_reclaim(fp_arena_t *arena, uint32_t *freed);
 
 /* Counts one batch that a worker could not place in the arena; any process,
  * lock-free. */
@@ -352,7 +392,10 @@ void fp_arena_count_fallback(fp_arena_t *arena);
  * allocated or pending block; FP_EINVAL otherwise. */
 int fp_arena_owner(fp_arena_t *arena, uint32_t block, pid_t *owner);
 
-void fp_arena_stats(fp_arena_t *arena, fp_arena_stats_t *stats);
+/* Every function that takes the arena's lock (these, alloc, owner, adopt)
+ * fails with FP_EOS when the lock cannot be had (a header written over, or a
+ * lock left unrecoverable); the death of its holder is repaired instead. */
+int fp_arena_stats(fp_arena_t *arena, fp_arena_stats_t *stats);
 uint64_t fp_arena_capacity(const fp_arena_t *arena);
 int fp_arena_registered(const fp_arena_t *arena);
 void *fp_arena_base(const fp_arena_t *arena); /* start of the data */
@@ -363,23 +406,23 @@ int fp_arena_fd(const fp_arena_t *arena);     /* memfd, or -1 if private */
  * tells which arena a block index sent by a worker belongs to. */
 uint64_t fp_arena_token(const fp_arena_t *arena);
 int fp_arena_attached(const fp_arena_t *arena); /* made by fp_arena_attach */
-/* The node fp_arena_create_numa bound the mapping to, or -1 (none asked, the
- * kernel refused, or attached: the creator's policy holds for the pages). */
-int fp_arena_numa_node(const fp_arena_t *arena);
 /* The CUDA ordinal whose primary context the arena is registered in and
  * records its events in, or -1 when not registered (in this process). */
 int fp_arena_device(const fp_arena_t *arena);
 
-/* Size-class arithmetic, exposed for tests: the size a request is rounded
- * to, and the class index (0 .. FP_CLASS_COUNT-1) of a block size. */
+/* Size-class arithmetic (tlsf.c): the size a request is rounded to, the
+ * class index (0 .. FP_CLASS_COUNT-1) of a block size, and the smallest block
+ * size of a class (what a request rounded into it takes). */
 uint64_t fp_arena_round(uint64_t size);
 uint32_t fp_arena_class(uint64_t size);
+uint64_t fp_arena_class_size(uint32_t cls);
 
-/* Checks every invariant of the metadata; returns 1 when valid. Cheap enough
- * for tests, too slow for the hot path (FP_DEBUG builds call it there). */
+/* Checks every invariant of the metadata (repair.c); returns 1 when valid.
+ * Cheap enough for tests, too slow for the hot path (FP_DEBUG builds call it
+ * there). */
 int fp_arena_is_valid(fp_arena_t *arena);
 
-/* ---- lease: a counted hold on one block (arena.c) ---------------------- */
+/* ---- lease: a counted hold on one block (lease.c) ---------------------- */
 
 typedef struct fp_lease_s {
     int refcount;            /* atomic; the last release frees the block */
@@ -430,6 +473,9 @@ uint64_t fp_arena_test_block_size(fp_arena_t *arena, uint32_t block);
 /* When non-zero, counts down at each crash point of the arena's critical
  * sections; the process SIGKILLs itself where it reaches zero. */
 extern int fp_test_crash_at;
+/* Leaves the lock unrecoverable (ENOTRECOVERABLE): a holder died, and the
+ * next locker let go without making it consistent (forks once to do it). */
+void fp_arena_test_spoil_lock(fp_arena_t *arena);
 #endif
 
 /* ---- copier (copier.c) ------------------------------------------------- */
@@ -476,7 +522,8 @@ typedef struct fp_h2d_s {
 } fp_h2d_t;
 
 /* Queues every copy on `stream` (a stream of `ctx`), staging pageable sources
- * through arena blocks of at most `chunk` bytes, each released to the stream.
+ * through arena blocks of at most `chunk` bytes (0: 8 MiB, or a quarter of a
+ * smaller arena, so that several are in flight), each released to the stream.
  * Returns once every DMA is queued; pageable sources may then be reused,
  * pinned ones only after the stream has passed the copies. Never call with
  * the GIL held. */

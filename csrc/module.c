@@ -11,7 +11,7 @@
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #define PY_ARRAY_UNIQUE_SYMBOL fastpin_ARRAY_API
 #include <numpy/arrayobject.h>
-#include <unistd.h>
+#include <limits.h>
 
 #include "dlpack.h"
 #include "fastpin.h"
@@ -53,7 +53,7 @@ fp_copier_t *fp_get_copier(fp_state *st)
 {
     /* In a forked child the parent's pool has no threads: leave it (its
      * mutexes may be held by threads that no longer exist) and start anew. */
-    if (st->copier && st->copier_pid != getpid()) {
+    if (st->copier && !fp_same_process(st->copier_pid)) {
         st->copier = NULL;
         st->busy = 0;
     }
@@ -70,7 +70,7 @@ fp_copier_t *fp_get_copier(fp_state *st)
             fp_raise(st, status);
             return NULL;
         }
-        st->copier_pid = getpid();
+        st->copier_pid = fp_pid();
         st->resize = 0;
         /* set_affinity checked the list against this process's CPUs; should
          * a new pool's threads be refused them now, they run unpinned. */
@@ -540,8 +540,14 @@ static void Arena_dealloc(ArenaObject *self)
     PyTypeObject *type = Py_TYPE(self);
     if (self->weakreflist)
         PyObject_ClearWeakRefs((PyObject *)self);
-    if (self->arena)
-        fp_arena_decref(self->arena);
+    fp_arena_t *arena = self->arena;
+    /* The last reference unregisters the region and destroys up to one event
+     * per descriptor: without the GIL. */
+    if (arena) {
+        Py_BEGIN_ALLOW_THREADS
+        fp_arena_decref(arena);
+        Py_END_ALLOW_THREADS
+    }
     type->tp_free(self);
     Py_DECREF(type);
 }
@@ -562,11 +568,63 @@ static PyObject *Arena_alloc(ArenaObject *self, PyObject *arg)
     return Block_wrap(st, lease);
 }
 
-/* Arena.pin(sources, align=GRANULE) -> (Block, offsets): one block holding
- * every source at `align`-aligned offsets (align=1 packs them back to back, as
- * a stacked batch), filled by the copy pool with the GIL released.
- * A source is (address, nbytes); address 0 only reserves room. The caller
- * keeps the sources alive for the call. */
+/* Reads pin()'s `n` sources from `fast` into `copies` (src and size) and
+ * their `align`-aligned offsets in the block; *total is the block's size.
+ * Returns 0, or -1 with an exception set. */
+static int fp_pin_sources(fp_state *st, PyObject *fast, Py_ssize_t n, uint64_t align,
+                          fp_copy_t *copies, uint64_t *offsets, uint64_t *total)
+{
+    *total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *addr_obj, *size_obj;
+        uint64_t addr, size;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OO:pin", &addr_obj, &size_obj) ||
+            fp_u64_arg(addr_obj, "pin: a source's address", 0, UINTPTR_MAX, "an address >= 0",
+                       &addr) ||
+            fp_u64_arg(size_obj, "pin: a source's nbytes", 0, UINT64_MAX, "a number of bytes >= 0",
+                       &size))
+            return -1;
+        /* Bounded before rounding, so nothing below wraps (2**64 - 1 would
+         * round to a 0-byte block and then be copied in full). */
+        if (size > FP_MAX_CAPACITY || *total + size > FP_MAX_CAPACITY) {
+            PyErr_Format(st->ArenaFullError, "pin: %llu bytes (source %zd) and %llu before it: "
+                         "more than any arena holds (2**43 bytes)", (unsigned long long)size,
+                         i, (unsigned long long)*total);
+            return -1;
+        }
+        if (addr && size > UINTPTR_MAX - addr) {
+            PyErr_Format(PyExc_ValueError, "pin: source %zd at address %llu of %llu bytes runs "
+                         "past the end of the address space", i, (unsigned long long)addr,
+                         (unsigned long long)size);
+            return -1;
+        }
+        offsets[i] = *total;
+        copies[i].src = (const void *)(uintptr_t)addr;
+        copies[i].size = size;
+        *total += (size + align - 1) & ~(uint64_t)(align - 1);
+    }
+    return 0;
+}
+
+/* Returns a new reference to (block, offsets as a tuple of `n` ints). */
+static PyObject *fp_pin_result(PyObject *block, const uint64_t *offsets, Py_ssize_t n)
+{
+    PyObject *offsets_obj = PyTuple_New(n);
+    if (!offsets_obj)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PyLong_FromUnsignedLongLong(offsets[i]);
+        if (!o) {
+            Py_DECREF(offsets_obj);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(offsets_obj, i, o);
+    }
+    PyObject *result = PyTuple_Pack(2, block, offsets_obj);
+    Py_DECREF(offsets_obj);
+    return result;
+}
+
 int fp_pin_copies(fp_state *st, fp_arena_t *arena, fp_copy_t *copies,
                   const uint64_t *offsets, Py_ssize_t n, uint64_t total, fp_lease_t **lease)
 {
@@ -599,6 +657,11 @@ int fp_pin_copies(fp_state *st, fp_arena_t *arena, fp_copy_t *copies,
     return 0;
 }
 
+/* Arena.pin(sources, align=GRANULE) -> (Block, offsets): one block holding
+ * every source at `align`-aligned offsets (align=1 packs them back to back, as
+ * a stacked batch), filled by the copy pool with the GIL released.
+ * A source is (address, nbytes); address 0 only reserves room. The caller
+ * keeps the sources alive for the call. */
 static PyObject *Arena_pin(ArenaObject *self, PyObject *args)
 {
     fp_state *st = fp_state_of_type(Py_TYPE(self));
@@ -615,59 +678,22 @@ static PyObject *Arena_pin(ArenaObject *self, PyObject *args)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     fp_copy_t *copies = PyMem_Calloc((size_t)n + 1, sizeof *copies);
     uint64_t *offsets = PyMem_Calloc((size_t)n + 1, sizeof *offsets);
-    PyObject *result = NULL, *offsets_obj = NULL, *block = NULL;
+    PyObject *result = NULL, *block = NULL;
+    uint64_t total;
     if (!copies || !offsets) {
         PyErr_NoMemory();
         goto done;
     }
-    uint64_t total = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *addr_obj, *size_obj;
-        uint64_t addr, size;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OO:pin", &addr_obj, &size_obj) ||
-            fp_u64_arg(addr_obj, "pin: a source's address", 0, UINTPTR_MAX, "an address >= 0",
-                       &addr) ||
-            fp_u64_arg(size_obj, "pin: a source's nbytes", 0, UINT64_MAX, "a number of bytes >= 0",
-                       &size))
-            goto done;
-        /* Bounded before rounding, so nothing below wraps (2**64 - 1 would
-         * round to a 0-byte block and then be copied in full). */
-        if (size > FP_MAX_CAPACITY || total + size > FP_MAX_CAPACITY) {
-            PyErr_Format(st->ArenaFullError, "pin: %llu bytes (source %zd) and %llu before it: "
-                         "more than any arena holds (2**43 bytes)", (unsigned long long)size,
-                         i, (unsigned long long)total);
-            goto done;
-        }
-        if (addr && size > UINTPTR_MAX - addr) {
-            PyErr_Format(PyExc_ValueError, "pin: source %zd at address %llu of %llu bytes runs "
-                         "past the end of the address space", i, (unsigned long long)addr,
-                         (unsigned long long)size);
-            goto done;
-        }
-        offsets[i] = total;
-        copies[i].src = (const void *)(uintptr_t)addr;
-        copies[i].size = size;
-        total += (size + align - 1) & ~(uint64_t)(align - 1);
-    }
+    if (fp_pin_sources(st, fast, n, align, copies, offsets, &total) < 0)
+        goto done;
     fp_lease_t *lease;
     if (fp_pin_copies(st, self->arena, copies, offsets, n, total, &lease))
         goto done;
     block = Block_wrap(st, lease);
-    if (!block)
-        goto done;
-    offsets_obj = PyTuple_New(n);
-    if (!offsets_obj)
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = PyLong_FromUnsignedLongLong(offsets[i]);
-        if (!o)
-            goto done;
-        PyTuple_SET_ITEM(offsets_obj, i, o);
-    }
-    result = PyTuple_Pack(2, block, offsets_obj);
+    if (block)
+        result = fp_pin_result(block, offsets, n);
 done:
     Py_XDECREF(block);
-    Py_XDECREF(offsets_obj);
     Py_DECREF(fast);
     PyMem_Free(copies);
     PyMem_Free(offsets);
@@ -696,9 +722,12 @@ static PyObject *Arena_adopt(ArenaObject *self, PyObject *args)
 static PyObject *Arena_reclaim(ArenaObject *self, PyObject *Py_UNUSED(ignored))
 {
     uint32_t n;
+    int status;
     Py_BEGIN_ALLOW_THREADS
-    n = fp_arena_reclaim(self->arena);
+    status = fp_arena_reclaim(self->arena, &n);
     Py_END_ALLOW_THREADS
+    if (status)
+        return fp_raise(fp_state_of_type(Py_TYPE(self)), status);
     return PyLong_FromUnsignedLong(n);
 }
 
@@ -746,9 +775,12 @@ static PyObject *Arena___reduce__(ArenaObject *self, PyObject *Py_UNUSED(ignored
 static PyObject *Arena_stats(ArenaObject *self, PyObject *Py_UNUSED(ignored))
 {
     fp_arena_stats_t s;
+    int status;
     Py_BEGIN_ALLOW_THREADS
-    fp_arena_stats(self->arena, &s);
+    status = fp_arena_stats(self->arena, &s);
     Py_END_ALLOW_THREADS
+    if (status)
+        return fp_raise(fp_state_of_type(Py_TYPE(self)), status);
     PyObject *classes = PyDict_New();
     if (!classes)
         return NULL;
@@ -756,10 +788,7 @@ static PyObject *Arena_stats(ArenaObject *self, PyObject *Py_UNUSED(ignored))
         if (!s.class_blocks[c])
             continue;
         /* Keyed by the class's block size, which users can read. */
-        uint64_t size = c < FP_SL_COUNT
-            ? (uint64_t)c * FP_GRANULE
-            : (uint64_t)(FP_SL_COUNT + c % FP_SL_COUNT) * FP_GRANULE << (c / FP_SL_COUNT - 1);
-        PyObject *k = PyLong_FromUnsignedLongLong(size);
+        PyObject *k = PyLong_FromUnsignedLongLong(fp_arena_class_size(c));
         PyObject *v = PyLong_FromUnsignedLong(s.class_blocks[c]);
         int rc = k && v ? PyDict_SetItem(classes, k, v) : -1;
         Py_XDECREF(k);
@@ -782,9 +811,12 @@ static PyObject *Arena_stats(ArenaObject *self, PyObject *Py_UNUSED(ignored))
 
 static PyObject *Arena_collect(ArenaObject *self, PyObject *Py_UNUSED(ignored))
 {
+    int status;
     Py_BEGIN_ALLOW_THREADS
-    fp_arena_collect(self->arena);
+    status = fp_arena_collect(self->arena);
     Py_END_ALLOW_THREADS
+    if (status)
+        return fp_raise(fp_state_of_type(Py_TYPE(self)), status);
     Py_RETURN_NONE;
 }
 
@@ -1031,21 +1063,10 @@ static PyObject *fp_pci_bus_id(PyObject *module, PyObject *arg)
     if (ordinal == -1 && PyErr_Occurred())
         return NULL;
     char bus_id[64] = {0};
-    int status = FP_OK;
+    int status;
     Py_BEGIN_ALLOW_THREADS
-    if (fp_cuda_load() != FP_CUDA_READY)
-        status = fp_error_set(FP_ECUDA, "%s", fp_cuda.reason);
-    else if (ordinal < 0 || ordinal >= fp_cuda.device_count)
-        status = fp_error_set(FP_EINVAL, "CUDA device %ld does not exist (%d visible)", ordinal,
-                              fp_cuda.device_count);
-    else {
-        fp_cu_device_t dev;
-        fp_cu_result_t r = fp_cuda.cuDeviceGet(&dev, (int)ordinal);
-        if (r == FP_CUDA_SUCCESS)
-            r = fp_cuda.cuDeviceGetPCIBusId(bus_id, (int)sizeof bus_id - 1, dev);
-        if (r != FP_CUDA_SUCCESS)
-            status = fp_cuda_error(r, "cuDeviceGetPCIBusId");
-    }
+    status = fp_cuda_pci_bus_id(ordinal < INT_MIN || ordinal > INT_MAX ? -1 : (int)ordinal,
+                                bus_id, (int)sizeof bus_id - 1);
     Py_END_ALLOW_THREADS
     if (status)
         return fp_raise(st, status);
@@ -1104,17 +1125,6 @@ static PyObject *fp_copy(PyObject *module, PyObject *args)
 /* h2d(arena, stream, [(dst, src, nbytes, pinned), ...], chunk=0): queue
  * host-to-device copies on a CUDA stream (a raw handle), staging pageable
  * sources through `arena` in chunks. GIL released throughout. */
-
-/* The default staging chunk: 8 MiB, or a quarter of a small arena, so that
- * several chunks are in flight at once in any arena. */
-static uint64_t fp_default_chunk(fp_arena_t *arena)
-{
-    uint64_t chunk = fp_arena_capacity(arena) / 4 / FP_GRANULE * FP_GRANULE;
-    if (chunk > (8ull << 20))
-        chunk = 8ull << 20;
-    return chunk < FP_GRANULE ? FP_GRANULE : chunk;
-}
-
 static PyObject *fp_h2d(PyObject *module, PyObject *args)
 {
     fp_state *st = PyModule_GetState(module);
@@ -1124,8 +1134,6 @@ static PyObject *fp_h2d(PyObject *module, PyObject *args)
                           &chunk))
         return NULL;
     fp_arena_t *arena = ((ArenaObject *)arena_obj)->arena;
-    if (chunk == 0)
-        chunk = fp_default_chunk(arena);
     PyObject *fast = PySequence_Fast(items_obj, "h2d() takes a sequence of (dst, src, nbytes, pinned)");
     if (!fast)
         return NULL;
@@ -1281,7 +1289,7 @@ static void fp_free(void *module)
     fp_clear(module);
     /* The module is freed only when no Python code runs, so no run is in
      * flight and the pool can be joined. */
-    if (st->copier && st->copier_pid == getpid() && st->busy == 0)
+    if (st->copier && fp_same_process(st->copier_pid) && st->busy == 0)
         fp_copier_destroy(st->copier);
     st->copier = NULL;
     PyMem_Free(st->cpus);

@@ -23,16 +23,13 @@ typedef struct fp_stage_s {
 /* Fills the chunk, queues its DMAs and releases it to the stream. */
 static int fp_stage_flush(fp_stage_t *s, fp_copier_t *copier, fp_cu_stream_t stream)
 {
-    int status = FP_OK;
     if (!s->lease)
         return FP_OK;
-    status = fp_copier_run(copier, s->host, s->pieces);
-    for (size_t i = 0; i < s->pieces && !status; i++) {
-        fp_cu_result_t r = fp_cuda.cuMemcpyHtoDAsync(s->dev[i], s->host[i].dst,
-                                                     s->host[i].size, stream);
-        if (r != FP_CUDA_SUCCESS)
-            status = fp_cuda_error(r, "cuMemcpyHtoDAsync");
-    }
+    int status = fp_copier_run(copier, s->host, s->pieces);
+    for (size_t i = 0; i < s->pieces && !status; i++)
+        FP_CU_CHECK_GOTO(cuMemcpyHtoDAsync(s->dev[i], s->host[i].dst, s->host[i].size, stream),
+                         status, release);
+release:
     s->lease->consumer = stream;
     fp_lease_decref(s->lease);
     s->lease = NULL;
@@ -74,39 +71,56 @@ static int fp_stage_piece(fp_stage_t *s, fp_arena_t *arena, fp_copier_t *copier,
     return FP_OK;
 }
 
+/* The default staging chunk: 8 MiB, or a quarter of a small arena, so that
+ * several chunks are in flight at once in any arena. */
+static uint64_t fp_stage_default_chunk(const fp_arena_t *arena)
+{
+    uint64_t chunk = fp_arena_capacity(arena) / 4 / FP_GRANULE * FP_GRANULE;
+    if (chunk > (8ull << 20))
+        chunk = 8ull << 20;
+    return chunk < FP_GRANULE ? FP_GRANULE : chunk;
+}
+
+/* Queues the copy of one item: straight from a pinned source, else staged. */
+static int fp_stage_item(fp_stage_t *s, fp_arena_t *arena, fp_copier_t *copier,
+                         fp_cu_stream_t stream, uint64_t chunk, const fp_h2d_t *it)
+{
+    if (it->pinned) {
+        FP_CU_CHECK(cuMemcpyHtoDAsync(it->dst, it->src, it->size, stream));
+        return FP_OK;
+    }
+    int status = FP_OK;
+    for (uint64_t off = 0; off < it->size && !status;) {
+        uint64_t n = it->size - off < chunk ? it->size - off : chunk;
+        status = fp_stage_piece(s, arena, copier, stream, chunk, it->dst + off,
+                                (const char *)it->src + off, n);
+        off += n;
+    }
+    return status;
+}
+
 int fp_stage_h2d(fp_copier_t *copier, fp_arena_t *arena, fp_cu_context_t ctx,
                  fp_cu_stream_t stream, const fp_h2d_t *items, size_t count, uint64_t chunk)
 {
+    if (!chunk)
+        chunk = fp_stage_default_chunk(arena);
     if (!fp_arena_registered(arena))
         return fp_error_set(FP_EINVAL, "host-to-device copies need an arena registered with CUDA");
     if (chunk < FP_GRANULE || chunk > fp_arena_capacity(arena))
         return fp_error_set(FP_EINVAL, "staging chunk of %llu bytes does not fit the arena (%llu bytes)",
                             (unsigned long long)chunk,
                             (unsigned long long)fp_arena_capacity(arena));
-    int status = FP_OK;
-    FP_CU_CHECK(cuCtxPushCurrent(ctx));
+    FP_CUDA_SCOPE(scope, ctx);
+    int status = fp_cuda_scope_status(&scope);
+    if (status)
+        return status;
     fp_stage_t s = {0};
-    for (size_t i = 0; i < count && !status; i++) {
-        const fp_h2d_t *it = &items[i];
-        if (it->pinned) {
-            fp_cu_result_t r = fp_cuda.cuMemcpyHtoDAsync(it->dst, it->src, it->size, stream);
-            if (r != FP_CUDA_SUCCESS)
-                status = fp_cuda_error(r, "cuMemcpyHtoDAsync");
-            continue;
-        }
-        for (uint64_t off = 0; off < it->size && !status;) {
-            uint64_t n = it->size - off < chunk ? it->size - off : chunk;
-            status = fp_stage_piece(&s, arena, copier, stream, chunk, it->dst + off,
-                                    (const char *)it->src + off, n);
-            off += n;
-        }
-    }
+    for (size_t i = 0; i < count && !status; i++)
+        status = fp_stage_item(&s, arena, copier, stream, chunk, &items[i]);
     int flushed = fp_stage_flush(&s, copier, stream);
     if (!status)
         status = flushed;
     free(s.host);
     free(s.dev);
-    fp_cu_context_t popped;
-    FP_CU_IGNORE(cuCtxPopCurrent(&popped));
     return status;
 }

@@ -55,6 +55,14 @@ static int check(const void *p, uint64_t n, uint32_t seed)
     return 1;
 }
 
+/* fp_arena_reclaim's count, its status checked. */
+static uint32_t reclaim(fp_arena_t *a)
+{
+    uint32_t freed = 0;
+    EXPECT(fp_arena_reclaim(a, &freed) == FP_OK);
+    return freed;
+}
+
 static fp_arena_t *make(uint64_t capacity, uint32_t max_blocks, int flags)
 {
     fp_arena_t *a = NULL;
@@ -94,6 +102,12 @@ static void test_classes(void)
             last_class = c;
             last_size = r;
         }
+    }
+    /* A class's size is its lower bound: what a request rounded into it takes. */
+    for (uint32_t c = 1; c < FP_CLASS_COUNT; c++) {
+        uint64_t size = fp_arena_class_size(c);
+        EXPECT(fp_arena_class(size) == c && fp_arena_round(size) == size);
+        EXPECT(fp_arena_class(size - 1) < c);
     }
 }
 
@@ -618,15 +632,15 @@ static void test_reclaim_killed(void)
     }
     char c;
     read_exact(ready[0], &c, 1);
-    EXPECT(fp_arena_reclaim(a) == 0); /* alive */
+    EXPECT(reclaim(a) == 0); /* alive */
     kill(pid, SIGKILL);
     /* Until reaped, a zombie still exists for kill(pid, 0). */
     struct timespec nap = {0, 20 * 1000 * 1000};
     nanosleep(&nap, NULL);
-    EXPECT(fp_arena_reclaim(a) == 0);
+    EXPECT(reclaim(a) == 0);
     EXPECT(reap(pid) == 128 + SIGKILL);
-    EXPECT(fp_arena_reclaim(a) == 4);
-    EXPECT(fp_arena_reclaim(a) == 0);
+    EXPECT(reclaim(a) == 4);
+    EXPECT(reclaim(a) == 0);
     EXPECT(fp_arena_is_valid(a));
     fp_arena_collect(a);
     fp_arena_stats_t s;
@@ -669,7 +683,7 @@ static void test_lock_owner_dies(void)
     fp_arena_stats_t s;
     fp_arena_stats(a, &s);
     EXPECT(s.lock_recoveries == 1 && s.blocks_in_use == 2);
-    EXPECT(fp_arena_reclaim(a) == 1);
+    EXPECT(reclaim(a) == 1);
     EXPECT(check(p, 7000, 31));
     fp_arena_free(a, mine, NULL);
     fp_arena_collect(a);
@@ -684,6 +698,47 @@ static void test_lock_owner_dies(void)
 /* A block freed with an event is left pending by every process but the
  * creator; an attached process that finds only such blocks in the way gets
  * FP_ENOMEM at once instead of waiting. */
+/* Bug: the lock's result was checked only by assert, so a release build
+ * (NDEBUG) went on as if it held a lock it could not take. Every call that
+ * locks now fails with FP_EOS, and a fresh arena works. */
+static void test_lock_unrecoverable(void)
+{
+    fp_arena_t *a = make(1 << 20, 0, FP_ARENA_SHARED | FP_ARENA_NO_CUDA);
+    uint32_t b, freed = 7;
+    void *p;
+    EXPECT(fp_arena_alloc(a, 1000, &b, &p) == FP_OK);
+    fp_arena_free(a, b, NULL);
+    fp_arena_test_spoil_lock(a);
+    fp_arena_stats_t s;
+    pid_t owner;
+    EXPECT(fp_arena_alloc(a, 1000, &b, &p) == FP_EOS);
+    EXPECT(strstr(fp_error_message(), "lock cannot be taken") != NULL);
+    EXPECT(fp_arena_alloc(a, 2 << 20, &b, &p) == FP_EOS); /* too big: counted under lock */
+    EXPECT(fp_arena_collect(a) == FP_EOS);
+    EXPECT(fp_arena_stats(a, &s) == FP_EOS);
+    EXPECT(fp_arena_reclaim(a, &freed) == FP_EOS && freed == 0);
+    EXPECT(fp_arena_owner(a, 0, &owner) == FP_EOS);
+    EXPECT(!fp_arena_is_valid(a));
+    fp_lease_t *lease;
+    EXPECT(fp_lease_adopt(a, 0, 1000, &lease) == FP_EOS);
+    fp_arena_decref(a);
+    a = make(1 << 20, 0, FP_ARENA_SHARED | FP_ARENA_NO_CUDA);
+    EXPECT(fp_arena_alloc(a, 1000, &b, &p) == FP_OK);
+    fp_arena_decref(a);
+}
+
+/* The cached pid is this process's, in the parent and in a forked child. */
+static void test_pid_after_fork(void)
+{
+    EXPECT(fp_pid() == getpid() && fp_same_process(getpid()));
+    pid_t parent = getpid();
+    pid_t child = fork();
+    if (child == 0)
+        _exit(fp_pid() == getpid() && !fp_same_process(parent) ? 0 : 1);
+    int st = 0;
+    EXPECT(waitpid(child, &st, 0) == child && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
 static void test_armed_pending(void)
 {
     fp_arena_t *a = make(64 << 10, 0, FP_ARENA_SHARED | FP_ARENA_NO_CUDA);
@@ -994,7 +1049,7 @@ static void test_random_kills(void)
                 failures++;
             }
         }
-        reclaimed += fp_arena_reclaim(a);
+        reclaimed += reclaim(a);
         fp_arena_collect(a);
         fp_arena_stats_t s;
         fp_arena_stats(a, &s);
@@ -1087,7 +1142,7 @@ static int crash_round(int crash_at, int repair_crash_at, uint64_t *recoveries)
         fprintf(stderr, "crash point %d/%d: %s\n", crash_at, repair_crash_at, fp_error_message());
         failures++;
     }
-    fp_arena_reclaim(a);
+    reclaim(a);
     fp_arena_collect(a);
     fp_arena_stats_t s;
     fp_arena_stats(a, &s);
@@ -1143,6 +1198,8 @@ int main(void)
     test_detach();
     test_reclaim_killed();
     test_lock_owner_dies();
+    test_lock_unrecoverable();
+    test_pid_after_fork();
     test_armed_pending();
     test_capture_fence();
     test_fence_tickets();
