@@ -29,7 +29,6 @@ died before its batch arrived are reclaimed at the end of the epoch.
 """
 from __future__ import annotations
 
-import os
 from multiprocessing import reduction
 from typing import Any, Callable, Optional
 
