@@ -139,8 +139,8 @@ static int fp_read_tensor(fp_state *st, fp_batch_t *b, fp_leaf_t *l, int check_p
     if (kind == 0)
         return 0;
     if (kind == 2) /* canonical strides: size-1 dimensions may carry any */
-        for (int i = dl.ndim - 1, step = 1; i >= 0; i--) {
-            strides[i] = step;
+        for (int64_t i = dl.ndim - 1, step = 1; i >= 0; i--) {
+            strides[i] = step; /* step <= numel: no wrap */
             step *= shape[i] > 1 ? shape[i] : 1;
         }
     l->ndim = dl.ndim;
