@@ -19,11 +19,11 @@ def images(n):
 
 
 class Data(torch.utils.data.Dataset):
-    def __init__(self, x):
-        self.x = x
+    def __init__(self, x, batches):
+        self.x, self.batches = x, batches
 
     def __len__(self):
-        return len(self.x) * 256  # 512 batches of 256
+        return self.batches * 256  # batches of 256, cycling over x
 
     def __getitem__(self, i):
         return self.x[i % len(self.x)]
@@ -52,7 +52,7 @@ def main():
     p.add_argument("--workers", type=int, default=15)
     p.add_argument("--batches", type=int, default=150)
     a = p.parse_args()
-    ds = Data(images(512))
+    ds = Data(images(512), a.batches + 10 + 2 * a.workers)  # the timed ones and more
     dl = torch.utils.data.DataLoader(ds, batch_size=256, num_workers=a.workers)
     need = _zerocopy.capacity_for(dl, 256 * 3 * 224 * 224, 2)
     for r in range(2):

@@ -112,6 +112,11 @@ static int fp_layout_kind(int ndim, const int64_t *shape, const int64_t *strides
     return 1;
 }
 
+/* How fp_read_tensor asks whether a tensor is pinned already (it then comes
+ * back as it is): not at all (no GPU), by the driver (a context current: one
+ * call, no Python), or by tensor.is_pinned(). */
+enum { FP_PINNED_NEVER = 0, FP_PINNED_BY_TORCH = 1, FP_PINNED_BY_DRIVER = 2 };
+
 /* Reads a plain torch tensor into *l; 1 if it takes this path, 0 if the
  * Python pipeline must do the batch, -1 on an error. */
 static int fp_read_tensor(fp_state *st, fp_batch_t *b, fp_leaf_t *l, int check_pinned)
@@ -159,12 +164,12 @@ static int fp_read_tensor(fp_state *st, fp_batch_t *b, fp_leaf_t *l, int check_p
         return flag < 0 ? -1 : 0;
     if (dl.dtype.code == kDLComplex && (flag = fp_flag(l->leaf, st->names[FP_NAME_IS_CONJ], 1)))
         return flag < 0 ? -1 : 0;
-    if (check_pinned) {
-        if ((flag = fp_flag(l->leaf, st->names[FP_NAME_IS_PINNED], 1)) < 0)
-            return -1;
-        if (flag)
-            l->kind = FP_LEAF_KEEP;
-    }
+    if (check_pinned == FP_PINNED_BY_DRIVER)
+        flag = fp_cuda_is_pinned(l->src);
+    else if (check_pinned && (flag = fp_flag(l->leaf, st->names[FP_NAME_IS_PINNED], 1)) < 0)
+        return -1;
+    if (flag)
+        l->kind = FP_LEAF_KEEP;
     return 1;
 }
 
@@ -323,7 +328,17 @@ PyObject *Arena_pin_batch(ArenaObject *self, PyObject *args)
     }
     for (Py_ssize_t i = 0; i < n; i++)
         items[i] = Py_NewRef(PyList_GET_ITEM(list, i)); /* the list may change under us */
-    int took = fp_read_batch(st, &b, items, n, check_pinned);
+    int took;
+    {
+        /* The driver answers for the arena's context (the device's primary
+         * one, where torch's pinned memory is registered too). */
+        fp_cu_context_t ctx = check_pinned ? fp_arena_context(self->arena) : NULL;
+        FP_CUDA_SCOPE(scope, ctx);
+        took = fp_read_batch(st, &b, items, n,
+                             !check_pinned   ? FP_PINNED_NEVER
+                             : scope.pushed ? FP_PINNED_BY_DRIVER
+                                            : FP_PINNED_BY_TORCH);
+    }
     if (took <= 0) {
         result = took < 0 ? NULL : Py_NewRef(Py_None);
         goto done;

@@ -25,16 +25,13 @@
 
 #include "fastpin.h"
 
-/* Largest chunk: ~0.2-0.5 ms of one core's memcpy, long enough that taking
- * the lock per chunk costs nothing, short enough to balance the tail. */
-#define FP_COPIER_CHUNK ((size_t)2 << 20)
-/* Smallest chunk a run is cut into when it is too small to give every
- * thread a few 2 MiB chunks; below this a wakeup costs more than it saves. */
-#define FP_COPIER_CHUNK_MIN ((size_t)512 << 10)
+/* FP_COPIER_CHUNK, the largest chunk (fastpin.h): ~0.2-0.5 ms of one core's
+ * memcpy, long enough that taking the lock per chunk costs nothing, short
+ * enough to balance the tail. FP_COPIER_CHUNK_MIN, the smallest a run is cut
+ * into when it is too small to give every thread a few of the largest:
+ * below it a wakeup costs more than it saves. */
 /* Chunks per thread we aim for, so threads that wake late still find work. */
 #define FP_COPIER_CHUNKS_PER_THREAD 4
-/* Runs smaller than this are copied by the caller alone, lock-free. */
-#define FP_COPIER_INLINE ((size_t)256 << 10)
 /* Cuts inside an entry end on this boundary of the destination, so two
  * threads never write the same cache line. */
 #define FP_COPIER_CUT_ALIGN 64
@@ -52,6 +49,7 @@ typedef struct fp_run_s {
     struct fp_run_s *prev;   /* older neighbour while queued; copier->lock */
     struct fp_run_s *after;  /* newer neighbour while queued; copier->lock */
     int queued;              /* 1 while in the queue; copier->lock */
+    int stream;              /* streaming stores (fp_copy_bytes); read-only */
     pthread_cond_t done;     /* signalled by the pool thread that finishes
                                 the last chunk; waited on by the caller */
 } fp_run_t;
@@ -72,6 +70,8 @@ struct fp_copier_s {
     int threads;           /* total parallelism, caller included; read-only */
     int nworkers;          /* pool threads started (threads - 1); read-only
                               after create */
+    int stream;            /* runs from FP_COPIER_STREAM use streaming
+                              stores; atomic (fp_copier_set_streaming) */
     pid_t pid;             /* process that started the pool; read-only */
     pthread_t *workers;    /* nworkers handles; create and destroy only */
 };
@@ -170,8 +170,52 @@ static fp_chunk_t fp_run_claim(fp_copier_t *c, fp_run_t *run)
     return ch;
 }
 
+#if defined(__x86_64__)
+#include <emmintrin.h>
+/* memcpy with stores that bypass the cache (SSE2, in every x86-64): 64
+ * bytes a step once the destination is 16-aligned; the ends by memcpy. The
+ * fence orders the weakly ordered stores before whatever the thread does
+ * next (the lock that hands the chunk back, the DMA that reads it). */
+static void fp_copy_streaming(char *dst, const char *src, size_t n)
+{
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    dst += head, src += head, n -= head;
+    for (; n >= 64; dst += 64, src += 64, n -= 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+    }
+    memcpy(dst, src, n);
+    _mm_sfence();
+}
+#define FP_HAVE_STREAMING 1
+#else
+#define FP_HAVE_STREAMING 0
+#endif
+
+/* n bytes, by streaming stores where asked (and there are some). */
+static void fp_copy_bytes(void *dst, const void *src, size_t n, int stream)
+{
+#if FP_HAVE_STREAMING
+    if (stream) {
+        fp_copy_streaming(dst, src, n);
+        return;
+    }
+#endif
+    (void)stream;
+    memcpy(dst, src, n);
+}
+
 /* Runs without the lock: a chunk's bytes belong to whoever claimed it. */
-static void fp_chunk_copy(const fp_copy_t *copies, fp_chunk_t ch)
+static void fp_chunk_copy(const fp_copy_t *copies, fp_chunk_t ch, int stream)
 {
     size_t i = ch.entry, off = ch.offset, left = ch.bytes;
     while (left > 0) {
@@ -180,7 +224,7 @@ static void fp_chunk_copy(const fp_copy_t *copies, fp_chunk_t ch)
         if (n > left)
             n = left;
         if (n > 0)
-            memcpy((char *)e->dst + off, (const char *)e->src + off, n);
+            fp_copy_bytes((char *)e->dst + off, (const char *)e->src + off, n, stream);
         left -= n;
         i++;
         off = 0;
@@ -209,7 +253,7 @@ static void *fp_copier_worker(void *arg)
         pthread_mutex_unlock(&c->lock);
 
         /* inflight > 0 keeps the caller, and so `run`, waiting for us. */
-        fp_chunk_copy(run->copies, ch);
+        fp_chunk_copy(run->copies, ch, run->stream);
 
         pthread_mutex_lock(&c->lock);
         if (--run->inflight == 0 && fp_run_exhausted(run))
@@ -271,6 +315,7 @@ int fp_copier_create(fp_copier_t **out, int threads)
     if (c == NULL)
         return fp_error_set(FP_EOS, "copier: out of memory");
     c->threads = threads;
+    c->stream = FP_HAVE_STREAMING;
     c->pid = fp_pid();
     if (threads > 1) {
         c->workers = calloc((size_t)threads - 1, sizeof *c->workers);
@@ -332,6 +377,16 @@ void fp_copier_destroy(fp_copier_t *copier)
 int fp_copier_threads(const fp_copier_t *copier)
 {
     return copier->threads;
+}
+
+int fp_copier_streams(const fp_copier_t *copier)
+{
+    return fp_atomic_load_relaxed(&copier->stream);
+}
+
+void fp_copier_set_streaming(fp_copier_t *copier, int on)
+{
+    fp_atomic_store_release(&copier->stream, on && FP_HAVE_STREAMING);
 }
 
 /* The calling thread's affinity into a set of `ncpu` CPUs (grown past 1024
@@ -423,10 +478,11 @@ int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count)
             return fp_error_set(FP_EINVAL, "copier run: sizes overflow");
     }
 
+    int stream = fp_copier_streams(copier) && total >= FP_COPIER_STREAM;
     if (total < FP_COPIER_INLINE || copier->nworkers == 0) {
         for (size_t i = 0; i < count; i++)
             if (copies[i].size > 0)
-                memcpy(copies[i].dst, copies[i].src, copies[i].size);
+                fp_copy_bytes(copies[i].dst, copies[i].src, copies[i].size, stream);
         return FP_OK;
     }
 
@@ -437,7 +493,7 @@ int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count)
     if (chunk < FP_COPIER_CHUNK_MIN)
         chunk = FP_COPIER_CHUNK_MIN;
 
-    fp_run_t run = {.copies = copies, .count = count, .chunk = chunk};
+    fp_run_t run = {.copies = copies, .count = count, .chunk = chunk, .stream = stream};
     pthread_cond_init(&run.done, NULL);
     fp_run_skip_empty(&run);
 
@@ -459,7 +515,7 @@ int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count)
             pthread_cond_signal(&copier->work);
 
     for (;;) {
-        fp_chunk_copy(copies, ch);
+        fp_chunk_copy(copies, ch, run.stream);
         pthread_mutex_lock(&copier->lock);
         if (fp_run_exhausted(&run))
             break;

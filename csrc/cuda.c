@@ -110,6 +110,26 @@ int fp_cuda_error(fp_cu_result_t r, const char *what)
     return fp_error_set(FP_ECUDA, "%.*s failed: %s (%d): %s", len, what, name, r, text);
 }
 
+int fp_cuda_is_pinned(const void *p)
+{
+    unsigned int type = 0;
+    /* Pageable memory is no answer but an error (CUDA_ERROR_INVALID_VALUE). */
+    fp_cu_result_t r = FP_CU_RESULT(cuPointerGetAttribute(
+        &type, FP_CU_POINTER_ATTRIBUTE_MEMORY_TYPE, (fp_cu_deviceptr_t)(uintptr_t)p));
+    return r == FP_CUDA_SUCCESS && type == FP_CU_MEMORYTYPE_HOST;
+}
+
+int fp_cuda_current_device(void)
+{
+    fp_cu_context_t ctx = NULL;
+    fp_cu_device_t dev;
+    if (fp_cuda_load() != FP_CUDA_READY ||
+        FP_CU_RESULT(cuCtxGetCurrent(&ctx)) != FP_CUDA_SUCCESS || ctx == NULL ||
+        FP_CU_RESULT(cuCtxGetDevice(&dev)) != FP_CUDA_SUCCESS)
+        return -1;
+    return dev; /* a CUdevice is its ordinal */
+}
+
 /* The device of a visible ordinal, the driver loaded. */
 static int fp_cuda_device(int ordinal, fp_cu_device_t *dev)
 {

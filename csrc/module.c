@@ -72,6 +72,7 @@ fp_copier_t *fp_get_copier(fp_state *st)
         }
         st->copier_pid = fp_pid();
         st->resize = 0;
+        fp_copier_set_streaming(st->copier, !st->no_streaming);
         /* set_affinity checked the list against this process's CPUs; should
          * a new pool's threads be refused them now, they run unpinned. */
         if (st->ncpus)
@@ -1084,6 +1085,32 @@ static PyObject *fp_block_size(PyObject *Py_UNUSED(module), PyObject *arg)
     return PyLong_FromUnsignedLongLong(fp_arena_round(n));
 }
 
+/* set_streaming(on): whether large runs of the copy pool use streaming stores
+ * (see fp_copier_run); applies to the running pool from its next run. */
+static PyObject *fp_set_streaming(PyObject *module, PyObject *arg)
+{
+    fp_state *st = PyModule_GetState(module);
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    st->no_streaming = !on;
+    if (st->copier && fp_same_process(st->copier_pid))
+        fp_copier_set_streaming(st->copier, on);
+    Py_RETURN_NONE;
+}
+
+static PyObject *fp_get_streaming(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    fp_copier_t *copier = fp_get_copier(PyModule_GetState(module));
+    return copier ? PyBool_FromLong(fp_copier_streams(copier)) : NULL;
+}
+
+static PyObject *fp_current_device(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    (void)module;
+    return PyLong_FromLong(fp_cuda_current_device());
+}
+
 static PyObject *fp_get_threads(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
     fp_copier_t *copier = fp_get_copier(PyModule_GetState(module));
@@ -1194,7 +1221,14 @@ static PyMethodDef fp_methods[] = {
     {"capture_end", fp_capture_end_py, METH_NOARGS, "A capture announced by capture_begin ended."},
     {"captures", fp_captures_py, METH_NOARGS, "Captures under way (capture_begin not yet ended)."},
     {"set_threads", fp_set_threads, METH_O, "Size of the copy pool (0: the default)."},
+    {"set_streaming", fp_set_streaming, METH_O,
+     "Whether the copy pool's runs of 4 MiB or more use streaming stores (default: where "
+     "the CPU has them)."},
+    {"streaming", fp_get_streaming, METH_NOARGS,
+     "Whether the copy pool's large runs use streaming stores."},
     {"get_threads", fp_get_threads, METH_NOARGS, "Size of the copy pool."},
+    {"current_device", fp_current_device, METH_NOARGS,
+     "The CUDA ordinal of the context current in this thread, or -1 (none, or no driver)."},
     {"block_size", fp_block_size, METH_O,
      "block_size(nbytes) -> int\nThe bytes of arena one request of `nbytes` takes (its size class):\n"
      "at most 1/16 more, for sizing an arena's capacity."},

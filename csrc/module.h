@@ -29,6 +29,7 @@ typedef struct {
     fp_copier_t *copier;      /* made on first use; under the GIL */
     pid_t copier_pid;         /* process that made it: a forked child makes its own */
     int threads;              /* wanted pool size, 0 = default; under the GIL */
+    int no_streaming;         /* set_streaming(False) was called; under the GIL */
     int resize;               /* threads changed since the pool was made */
     int busy;                 /* runs using the pool with the GIL released */
     int *cpus;                /* CPUs the pool's threads are pinned to (PyMem), or

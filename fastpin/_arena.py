@@ -137,6 +137,12 @@ def _current_device() -> int:
     device = settings.device
     if device is not None:
         return device
+    # The context current in this thread is torch's current device's (its
+    # set_device makes it current): one driver call, where torch's own
+    # current_device() costs microseconds. No context current: ask torch.
+    device = _C.current_device()
+    if device >= 0:
+        return device
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.current_device()

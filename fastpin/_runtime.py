@@ -121,7 +121,7 @@ class Settings:
     __getattr__ loads them; from then on they are plain attributes."""
 
     FIELDS = ("capacity", "threads", "device", "on_full", "wait_timeout", "allow_unpinned",
-              "numa")
+              "numa", "streaming")
 
     def __getattr__(self, name: str):
         if name not in Settings.FIELDS:
@@ -139,7 +139,7 @@ class Settings:
     def load(self) -> None:
         """Read the FASTPIN_* environment (once; a bad value raises, and is read
         again at the next use). FASTPIN_THREADS sizes the copy pool here, before
-        fastpin starts it."""
+        fastpin starts it, and FASTPIN_STREAMING=0 turns its streaming stores off."""
         with _settings_lock:
             if "_loaded" in self.__dict__:
                 return
@@ -153,9 +153,11 @@ class Settings:
                 "wait_timeout": 10.0,
                 "allow_unpinned": env_flag("FASTPIN_ALLOW_UNPINNED", False),
                 "numa": env_flag("FASTPIN_NUMA", True),
+                "streaming": env_flag("FASTPIN_STREAMING", True),
             }
             if fields["threads"] is not None:
                 _C.set_threads(fields["threads"])
+            _C.set_streaming(fields["streaming"])
             self.__dict__.update(fields, _loaded=True)
 
     def policy(self) -> dict:

@@ -31,6 +31,31 @@ def test_results_are_page_locked():
     assert torch.equal(pinned["x"], batch["x"])
 
 
+def test_pinned_leaves_come_back_unchanged_by_the_drivers_answer():
+    """pin_batch asks the driver (not tensor.is_pinned()) whether a leaf is
+    pinned: torch's pinned tensors and fastpin's own come back as they are,
+    pageable ones are copied; so in one batch, with their views intact."""
+    pageable = patterned(1 * MB, 3)
+    by_torch = patterned(1 * MB, 4).pin_memory()
+    by_fastpin = fastpin.pin_memory(patterned(1 * MB, 5))
+    offset_view = by_torch[17:]
+    out = fastpin.pin_memory([pageable, by_torch, by_fastpin, offset_view])
+    assert out[0] is not pageable and out[0].is_pinned() and torch.equal(out[0], pageable)
+    assert out[1] is by_torch and out[2] is by_fastpin and out[3] is offset_view
+    assert fastpin.stats()["bytes"] >= pageable.nbytes
+
+
+def test_current_device_follows_torch():
+    assert _C.current_device() in (-1, torch.cuda.current_device())
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    assert _C.current_device() == torch.cuda.current_device()
+    if torch.cuda.device_count() > 1:
+        with torch.cuda.device(1):
+            torch.zeros(1, device="cuda:1")
+            assert _C.current_device() == 1
+
+
 def test_non_blocking_copy_is_asynchronous_and_correct():
     src = patterned(64 * MB, 2)
     pinned = fastpin.pin_memory(src)

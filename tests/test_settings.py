@@ -111,6 +111,7 @@ BAD_ENV = [
     ("FASTPIN_ON_FULL", "0", r"FASTPIN_ON_FULL='0': must be one of"),
     ("FASTPIN_ALLOW_UNPINNED", "maybe", r"FASTPIN_ALLOW_UNPINNED='maybe': must be 1 or 0"),
     ("FASTPIN_NUMA", "maybe", r"FASTPIN_NUMA='maybe': must be 1 or 0"),
+    ("FASTPIN_STREAMING", "fast", r"FASTPIN_STREAMING='fast': must be 1 or 0"),
 ]
 
 
@@ -161,9 +162,28 @@ def test_import_reads_the_environment_and_does_nothing_else():
 @pytest.mark.timeout(60)
 def test_good_environment_is_taken():
     r = import_with(FASTPIN_ARENA_BYTES=" 4096 ", FASTPIN_THREADS="2", FASTPIN_ON_FULL="raise",
-                    FASTPIN_ALLOW_UNPINNED="1", FASTPIN_NUMA="0")
+                    FASTPIN_ALLOW_UNPINNED="1", FASTPIN_NUMA="0", FASTPIN_STREAMING="0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["4096"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value, on", [("0", False), ("1", True), ("", True)])
+def test_streaming_environment_reaches_the_copy_pool(value, on):
+    """FASTPIN_STREAMING=0 turns the pool's streaming stores off (they exist
+    on x86-64 only), and a batch past the streaming size is exact either way."""
+    code = ("import platform, torch, fastpin; from fastpin import _C\n"
+            "x = torch.arange(3 << 20, dtype=torch.int32) * 7 + 3\n"
+            "y = fastpin.pin_memory(x)\n"
+            "print(_C.streaming(), platform.machine(), bool(torch.equal(x, y)))\n")
+    full = dict(os.environ, FASTPIN_STREAMING=value,
+                PYTHONPATH=FASTPIN_HOME + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], cwd=tempfile.gettempdir(), env=full,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    streaming, machine, exact = r.stdout.split()
+    assert streaming == str(on and machine == "x86_64")
+    assert exact == "True"
 
 
 # ---- fastpin.Loader ---------------------------------------------------------------

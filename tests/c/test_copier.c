@@ -12,11 +12,10 @@
 
 #include "fastpin.h"
 
-/* copier.c's FP_COPIER_CHUNK, FP_COPIER_CHUNK_MIN and FP_COPIER_INLINE;
- * fastpin.h does not export them, so keep these in step by hand. */
-#define CHUNK ((size_t)2 << 20)
-#define CHUNK_MIN ((size_t)512 << 10)
-#define INLINE ((size_t)256 << 10)
+#define CHUNK FP_COPIER_CHUNK
+#define CHUNK_MIN FP_COPIER_CHUNK_MIN
+#define INLINE FP_COPIER_INLINE
+#define STREAM FP_COPIER_STREAM
 #define GUARD 64 /* bytes checked untouched on each side of a destination */
 
 /* Sanitizers: the same shapes, fewer iterations. Every large free costs
@@ -190,6 +189,37 @@ static void test_sizes(fp_copier_t *c, uint64_t seed)
         }
 }
 
+/* Streaming stores: runs around FP_COPIER_STREAM, at every misalignment of
+ * the 16-byte stores and with ends shorter than one 64-byte step, runs of
+ * tiny entries past it, and the same with streaming off. */
+static void test_streaming(fp_copier_t *c, uint64_t seed)
+{
+    const size_t sizes[] = {STREAM - 1, STREAM, STREAM + 1, STREAM + 63, 3 * STREAM + 5};
+    const size_t offs[][2] = {{0, 0}, {0, 1}, {5, 15}, {9, 8}, {60, 63}};
+    for (int on = 1; on >= 0; on--) {
+        fp_copier_set_streaming(c, on);
+        int have = fp_copier_streams(c);
+#if defined(__x86_64__)
+        CHECK(have == on, "streams() is %d after set_streaming(%d)", have, on);
+#else
+        CHECK(have == 0, "streams() is %d on a CPU without streaming stores", have);
+#endif
+        for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++)
+            for (size_t o = 0; o < sizeof offs / sizeof *offs; o++)
+                check_single(c, sizes[s], offs[o][0], offs[o][1], seed + s * 16 + o);
+        enum { N = 70000 };
+        size_t *tiny = xmalloc(N * sizeof *tiny);
+        for (size_t i = 0; i < N; i++)
+            tiny[i] = mix(seed + i) % 130; /* ~4.5 MB, entries of 0 to 129 bytes */
+        char what[96];
+        snprintf(what, sizeof what, "threads=%d streaming=%d 70000 tiny",
+                 fp_copier_threads(c), have);
+        check_run(c, tiny, N, 3, 7, seed + 99, what);
+        free(tiny);
+    }
+    fp_copier_set_streaming(c, 1);
+}
+
 /* Many entries in one run: tiny ones (grouped into chunks), tiny ones
  * between large ones, empty ones. */
 static void test_many(fp_copier_t *c, uint64_t seed)
@@ -199,7 +229,7 @@ static void test_many(fp_copier_t *c, uint64_t seed)
     char what[96];
 
     for (size_t i = 0; i < N; i++)
-        sizes[i] = 1 + mix(seed + i) % 200; /* ~1 MB: goes to the pool */
+        sizes[i] = 1 + mix(seed + i) % 400; /* ~2 MB: goes to the pool */
     snprintf(what, sizeof what, "threads=%d 10000 tiny",
              fp_copier_threads(c));
     check_run(c, sizes, N, 0, 0, seed, what);
@@ -394,17 +424,20 @@ static void report_speed(void)
         if (fp_copier_create(&c, counts[k]) != FP_OK)
             continue;
         fp_copy_t one = {dst, src, size};
-        double best = 1e9;
-        for (int r = 0; r < 5; r++) {
-            double t0 = now();
-            fp_copier_run(c, &one, 1);
-            double t = now() - t0;
-            if (t < best)
-                best = t;
+        for (int on = 1; on >= 0; on--) {
+            fp_copier_set_streaming(c, on);
+            double best = 1e9;
+            for (int r = 0; r < 5; r++) {
+                double t0 = now();
+                fp_copier_run(c, &one, 1);
+                double t = now() - t0;
+                if (t < best)
+                    best = t;
+            }
+            printf("  64 MiB copy, threads=%d (%d), streaming %d: %.2f ms, %.1f GB/s\n",
+                   counts[k], fp_copier_threads(c), fp_copier_streams(c), best * 1e3,
+                   (double)size / best / 1e9);
         }
-        printf("  64 MiB copy, threads=%d (%d): %.2f ms, %.1f GB/s\n",
-               counts[k], fp_copier_threads(c), best * 1e3,
-               (double)size / best / 1e9);
         fp_copier_destroy(c);
     }
     free(src);
@@ -427,10 +460,11 @@ int main(void)
         if (rc != FP_OK)
             continue;
         test_sizes(c, 1000 * k + 1);
+        test_streaming(c, 1000 * k + 300);
         test_many(c, 1000 * k + 500);
         test_bad_input(c);
         fp_copier_destroy(c);
-        printf("  sizes, many entries, bad input: threads=%d done (%.1f s)\n",
+        printf("  sizes, streaming, many entries, bad input: threads=%d done (%.1f s)\n",
                counts[k], now() - t0);
     }
 

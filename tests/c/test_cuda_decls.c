@@ -37,6 +37,9 @@ _Static_assert(FP_CU_STREAM_NON_BLOCKING == CU_STREAM_NON_BLOCKING,
                "CU_STREAM_NON_BLOCKING");
 _Static_assert(FP_CU_EVENT_DISABLE_TIMING == CU_EVENT_DISABLE_TIMING,
                "CU_EVENT_DISABLE_TIMING");
+_Static_assert(FP_CU_POINTER_ATTRIBUTE_MEMORY_TYPE == CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+               "CU_POINTER_ATTRIBUTE_MEMORY_TYPE");
+_Static_assert(FP_CU_MEMORYTYPE_HOST == CU_MEMORYTYPE_HOST, "CU_MEMORYTYPE_HOST");
 /* A pointer constant is no integer constant expression: its type here, its
  * value in main. */
 _Static_assert(SAME_TYPE(__typeof__(FP_CU_STREAM_LEGACY),

@@ -1,0 +1,84 @@
+"""What one small pin_memory call costs, piece by piece, on this machine: the
+pieces fastpin.pin_memory runs for a batch of one tensor (or a dict of 8),
+beside torch's own calls. Medians of --calls calls, microseconds.
+
+    PYTHONPATH=$PWD python benchmarks/pin_parts.py [--calls 5000] [--sizes 65536 1048576]
+
+Where the small-batch overhead of benchmarks/pin_small.py goes: read this
+next to it on a GPU machine, where a CUDA context is up.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import fastpin
+from fastpin import _C, _arena, _pin, _walk
+
+
+def median_us(fn, calls: int) -> float:
+    for _ in range(min(200, calls)):
+        fn()
+    out = []
+    for _ in range(calls):
+        t = time.perf_counter_ns()
+        fn()
+        out.append(time.perf_counter_ns() - t)
+    return statistics.median(out) / 1e3
+
+
+def parts(x, arena, cuda: bool) -> dict:
+    leaves = [x]
+    return {
+        "torch.empty_like(x).copy_(x)": lambda: torch.empty_like(x).copy_(x),
+        "x.pin_memory()": (lambda: x.pin_memory()) if cuda else None,
+        "x.is_pinned()": lambda: x.is_pinned(),
+        "x.requires_grad, x.is_neg()": lambda: (x.requires_grad, x.is_neg()),
+        "fastpin.pin_memory(x)": lambda: fastpin.pin_memory(x),
+        "arena.pin_batch([x], check_pinned)": lambda: arena.pin_batch(leaves, cuda),
+        "arena.pin_batch([x], False)": lambda: arena.pin_batch(leaves, False),
+        "arena.alloc(n) and its free": lambda: arena.alloc(x.nbytes),
+        "flatten(x)": lambda: _walk.flatten(x, _pin.is_leaf),
+        "cuda_available()": _arena.cuda_available,
+        "made_default_arena(None)": lambda: _arena.made_default_arena(None),
+    }
+
+
+def blocks_cycled(x, calls: int) -> int:
+    """Distinct addresses fastpin.pin_memory(x) returns over `calls` calls, each
+    result dropped before the next: 1 when the freed block is reused at once."""
+    return len({fastpin.pin_memory(x).data_ptr() for _ in range(calls)})
+
+
+def copy_into_block(x, arena, calls: int) -> float:
+    """The memcpy alone, into one arena block held throughout (the copy pool's
+    path for one entry), in us."""
+    block = arena.alloc(x.nbytes)
+    return median_us(lambda: _C.copy(block.ptr, x.data_ptr(), x.nbytes), calls)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=5000)
+    p.add_argument("--sizes", type=int, nargs="+", default=[65536, 262144, 1 << 20])
+    args = p.parse_args()
+    cuda = fastpin.cuda_available()
+    print(f"torch {torch.__version__}, fastpin from {fastpin.__file__}, CUDA up: {cuda}, "
+          f"copy threads {_C.get_threads()}, streaming stores {_C.streaming()}")
+    fastpin.pin_memory(torch.zeros(8))  # makes the default arena
+    arena = _arena.default_arena()
+    for size in args.sizes:
+        x = torch.arange(size, dtype=torch.uint8)
+        print(f"\n{size} bytes, median us of {args.calls} calls")
+        for name, fn in parts(x, arena, cuda).items():
+            if fn is not None:
+                print(f"  {name:40s} {median_us(fn, args.calls):8.2f}")
+        print(f"  {'_C.copy into one held block':40s} {copy_into_block(x, arena, args.calls):8.2f}")
+        print(f"  distinct blocks over 1000 pin_memory calls: {blocks_cycled(x, 1000)}")
+
+
+if __name__ == "__main__":
+    main()
