@@ -41,7 +41,8 @@ setup(
             "fastpin._C",
             sources=[os.path.join("csrc", s) for s in SOURCES],
             depends=[os.path.join("csrc", h)
-                     for h in ("fastpin.h", "arena_internal.h", "dlpack.h", "module.h")],
+                     for h in ("fastpin.h", "arena_internal.h", "dlpack.h", "module.h",
+                               "streaming.h")],
             include_dirs=["csrc", numpy.get_include()],
             extra_compile_args=cflags,
             extra_link_args=ldflags,

@@ -227,20 +227,8 @@ static PyObject *fp_leaf_view(fp_state *st, fp_batch_t *b, const fp_leaf_t *l, P
         return fp_same_dtype(st, made, l->leaf);
     }
     PyArray_Descr *descr = PyArray_DESCR((PyArrayObject *)l->leaf);
-    npy_intp dims[FP_DLPACK_MAX_NDIM];
-    for (int i = 0; i < l->ndim; i++)
-        dims[i] = (npy_intp)shape[i];
     Py_INCREF(descr); /* stolen below */
-    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, l->ndim, dims, NULL,
-                                         lease->ptr + l->offset, NPY_ARRAY_WRITEABLE, NULL);
-    if (!arr)
-        return NULL;
-    Py_INCREF(block);
-    if (PyArray_SetBaseObject((PyArrayObject *)arr, block) < 0) {
-        Py_DECREF(arr);
-        return NULL;
-    }
-    return arr;
+    return fp_block_array(block, descr, l->ndim, shape, NULL, l->offset);
 }
 
 /* Reads every leaf; 1: all take this path, 0: the Python pipeline, -1. */
@@ -266,12 +254,15 @@ static int fp_read_batch(fp_state *st, fp_batch_t *b, PyObject **items, Py_ssize
     return 1;
 }
 
-/* The block's layout: GRANULE-aligned offsets; returns the bytes, or
+/* The block's layout: GRANULE-aligned offsets, one copy per leaf placed
+ * (*placed of them, *data bytes of leaf data); returns the block's bytes, or
  * UINT64_MAX past what any arena holds. */
-static uint64_t fp_batch_pack(fp_batch_t *b, Py_ssize_t n, fp_copy_t *copies, uint64_t *offsets)
+static uint64_t fp_batch_pack(fp_batch_t *b, Py_ssize_t n, fp_copy_t *copies, uint64_t *offsets,
+                              Py_ssize_t *placed, uint64_t *data)
 {
     uint64_t total = 0;
-    Py_ssize_t used = 0;
+    *placed = 0;
+    *data = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         fp_leaf_t *l = &b->leaves[i];
         if (l->kind == FP_LEAF_KEEP)
@@ -280,9 +271,10 @@ static uint64_t fp_batch_pack(fp_batch_t *b, Py_ssize_t n, fp_copy_t *copies, ui
         if (l->nbytes > FP_MAX_CAPACITY || total + l->nbytes > FP_MAX_CAPACITY)
             return UINT64_MAX;
         l->offset = total;
-        copies[used] = (fp_copy_t){.src = l->nbytes ? l->src : NULL, .size = l->nbytes};
-        offsets[used++] = total;
+        copies[*placed] = (fp_copy_t){.src = l->nbytes ? l->src : NULL, .size = l->nbytes};
+        offsets[(*placed)++] = total;
         total += l->nbytes;
+        *data += l->nbytes;
     }
     return total;
 }
@@ -343,17 +335,12 @@ PyObject *Arena_pin_batch(ArenaObject *self, PyObject *args)
         result = took < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
     }
-    uint64_t total = fp_batch_pack(&b, n, copies, offsets), data = 0;
+    Py_ssize_t placed;
+    uint64_t data, total = fp_batch_pack(&b, n, copies, offsets, &placed, &data);
     if (total == UINT64_MAX) {
         PyErr_Format(st->ArenaFullError, "pin_batch: more bytes than any arena holds (2**43)");
         goto done;
     }
-    Py_ssize_t placed = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (b.leaves[i].kind != FP_LEAF_KEEP) {
-            placed++;
-            data += b.leaves[i].nbytes;
-        }
     if (placed) {
         fp_lease_t *lease;
         if (fp_pin_copies(st, self->arena, copies, offsets, placed, total, &lease))

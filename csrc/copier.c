@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "fastpin.h"
+#include "streaming.h"
 
 /* FP_COPIER_CHUNK, the largest chunk (fastpin.h): ~0.2-0.5 ms of one core's
  * memcpy, long enough that taking the lock per chunk costs nothing, short
@@ -169,37 +170,6 @@ static fp_chunk_t fp_run_claim(fp_copier_t *c, fp_run_t *run)
         fp_queue_unlink(c, run);
     return ch;
 }
-
-#if defined(__x86_64__)
-#include <emmintrin.h>
-/* memcpy with stores that bypass the cache (SSE2, in every x86-64): 64
- * bytes a step once the destination is 16-aligned; the ends by memcpy. The
- * fence orders the weakly ordered stores before whatever the thread does
- * next (the lock that hands the chunk back, the DMA that reads it). */
-static void fp_copy_streaming(char *dst, const char *src, size_t n)
-{
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-    if (head > n)
-        head = n;
-    memcpy(dst, src, head);
-    dst += head, src += head, n -= head;
-    for (; n >= 64; dst += 64, src += 64, n -= 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)src);
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-        _mm_stream_si128((__m128i *)dst, a);
-        _mm_stream_si128((__m128i *)(dst + 16), b);
-        _mm_stream_si128((__m128i *)(dst + 32), c);
-        _mm_stream_si128((__m128i *)(dst + 48), d);
-    }
-    memcpy(dst, src, n);
-    _mm_sfence();
-}
-#define FP_HAVE_STREAMING 1
-#else
-#define FP_HAVE_STREAMING 0
-#endif
 
 /* n bytes, by streaming stores where asked (and there are some). */
 static void fp_copy_bytes(void *dst, const void *src, size_t n, int stream)

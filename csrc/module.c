@@ -310,18 +310,27 @@ static PyObject *Block_numpy(BlockObject *self, PyObject *args)
         Py_DECREF(descr);
         return NULL;
     }
+    return fp_block_array((PyObject *)self, descr, ndim, shape, strides, offset);
+}
+
+PyObject *fp_block_array(PyObject *block, PyArray_Descr *descr, int ndim, const int64_t *shape,
+                         const int64_t *strides, uint64_t offset)
+{
     npy_intp dims[FP_DLPACK_MAX_NDIM], npstrides[FP_DLPACK_MAX_NDIM];
     for (int i = 0; i < ndim; i++) {
         dims[i] = (npy_intp)shape[i];
-        npstrides[i] = (npy_intp)strides[i];
+        if (strides)
+            npstrides[i] = (npy_intp)strides[i];
     }
     /* Steals the reference to descr. */
-    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, ndim, dims, npstrides,
-                                         self->lease->ptr + offset, NPY_ARRAY_WRITEABLE, NULL);
+    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, ndim, dims,
+                                         strides ? npstrides : NULL,
+                                         ((BlockObject *)block)->lease->ptr + offset,
+                                         NPY_ARRAY_WRITEABLE, NULL);
     if (!arr)
         return NULL;
-    Py_INCREF(self);
-    if (PyArray_SetBaseObject((PyArrayObject *)arr, (PyObject *)self) < 0) {
+    Py_INCREF(block);
+    if (PyArray_SetBaseObject((PyArrayObject *)arr, block) < 0) {
         Py_DECREF(arr);
         return NULL;
     }

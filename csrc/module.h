@@ -1,6 +1,8 @@
 /* What the binding files of fastpin._C share (module.c, batch.c): the module
  * state, the two object types and the helpers that raise, find the copy pool
- * and wrap a lease. Not part of the core's interface (fastpin.h). */
+ * and wrap a lease. Not part of the core's interface (fastpin.h). Include it
+ * after numpy/arrayobject.h (with the file's own NO_IMPORT_ARRAY choice):
+ * fp_block_array takes a PyArray_Descr. */
 #ifndef FASTPIN_MODULE_H
 #define FASTPIN_MODULE_H
 
@@ -63,6 +65,11 @@ PyObject *fp_raise(fp_state *st, int status);
 fp_copier_t *fp_get_copier(fp_state *st);
 /* A Block owning the lease's reference (dropped on failure). */
 PyObject *Block_wrap(fp_state *st, fp_lease_t *lease);
+/* A writeable ndarray over `block` (a Block) at `offset`, based on the
+ * Block: `ndim` sizes, strides in bytes (NULL: C order), `descr` stolen. The
+ * caller has checked the extent. A new reference, or NULL. */
+PyObject *fp_block_array(PyObject *block, PyArray_Descr *descr, int ndim, const int64_t *shape,
+                         const int64_t *strides, uint64_t offset);
 /* Allocates `total` bytes of `arena` and copies copies[i] (n entries; a NULL
  * source or 0 bytes skipped) to offsets[i] in it, with the GIL released; the
  * dst fields are filled here. *lease is the new block, or NULL with an

@@ -6,12 +6,16 @@
 #   bash scripts/gpu.sh test FILES   build, pytest FILES (no C tests)
 #   bash scripts/gpu.sh bench ARGS   build, python -m fastpin.bench ARGS --json $OUT/bench.json
 #   bash scripts/gpu.sh profile ARGS build, benchmarks/profile_zero_copy.py ARGS
-#   bash scripts/gpu.sh measure      build, the GPU tests of the paths that changed
-#                                (pin_memory's C fast path, the Loader's modes,
-#                                the split core), then issue 14's figures: the pin
-#                                table (64 KB to 1 GB), pin_small.py, zero-copy CPU
-#                                per batch by thread (15 workers), the training
-#                                step table; about 10 minutes
+#   bash scripts/gpu.sh measure [pin|loader]  build, then
+#                                pin: the GPU tests of pin_memory's C fast path,
+#                                the Loader's modes and the core, pin_small.py,
+#                                pin_parts.py, the pin table (64 KB to 1 GB) with
+#                                streaming stores on and off (about 5 minutes);
+#                                loader: zero-copy CPU per batch by thread (15
+#                                workers), zero-copy default against hand-sized
+#                                with streaming on and off, the training step
+#                                table, training resnet18 at 8 and 15 workers
+#                                (about 7 minutes); neither: both
 #   bash scripts/gpu.sh streams [OLD] build, the stream-safety tests under both fences
 #                                (cuCtxRecordEvent, FASTPIN_FENCE=sync) and
 #                                benchmarks/stream_race.py; with OLD (a directory
@@ -68,16 +72,31 @@ if [ "$what" = streams ]; then
     fi
 fi
 if [ "$what" = measure ]; then
-    step timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_gpu.py \
-        tests/test_stream_safety.py tests/test_loader.py tests/test_loader_stats.py \
-        tests/test_zero_copy.py tests/test_gpu_stale.py
-    step timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_pin_batch.py
-    step timeout 120 env PYTHONPATH="$PWD" python3 benchmarks/pin_small.py
-    step timeout 150 python3 -m fastpin.bench --case pin_sizes --sizes 0.0625 0.25 1 2 16 64 256 1024 \
-        --json "$OUT/pin_sizes.json"
-    step timeout 150 env PYTHONPATH="$PWD" python3 benchmarks/zero_copy_cpu.py --workers 15 \
-        --json "$OUT/zero_copy_cpu.json"
-    step timeout 120 python3 -m fastpin.bench --case train_step --json "$OUT/train_step.json"
+    # Over 10 minutes in all: the device tool's calls are cut at 600 s, so
+    # run it in two calls, `measure pin` then `measure loader`.
+    part=${1:-all}
+    if [ "$part" = all ] || [ "$part" = pin ]; then
+        step timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_gpu.py \
+            tests/test_stream_safety.py tests/test_loader.py tests/test_loader_stats.py \
+            tests/test_zero_copy.py tests/test_gpu_stale.py
+        step timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_pin_batch.py
+        step timeout 120 env PYTHONPATH="$PWD" python3 benchmarks/pin_small.py
+        step timeout 60 env PYTHONPATH="$PWD" python3 benchmarks/pin_parts.py --sizes 65536 1048576
+        for s in 1 0; do
+            step timeout 150 env FASTPIN_STREAMING=$s python3 -m fastpin.bench --case pin_sizes \
+                --sizes 0.0625 0.25 1 2 16 64 256 1024 --json "$OUT/pin_sizes_streaming$s.json"
+        done
+    fi
+    if [ "$part" = all ] || [ "$part" = loader ]; then
+        step timeout 150 env PYTHONPATH="$PWD" python3 benchmarks/zero_copy_cpu.py --workers 15 \
+            --json "$OUT/zero_copy_cpu.json"
+        for s in 1 0; do
+            step timeout 100 env FASTPIN_STREAMING=$s PYTHONPATH="$PWD" \
+                python3 benchmarks/zero_copy_default.py --workers 15 --batches 1500
+        done
+        step timeout 120 python3 -m fastpin.bench --case train_step --json "$OUT/train_step.json"
+        step timeout 300 python3 -m fastpin.bench_train --workers 8 --workers 15 --steps 30
+    fi
 fi
 if [ "$what" = profile ]; then
     step env PYTHONPATH="$PWD" python3 benchmarks/profile_zero_copy.py "$@"
