@@ -171,11 +171,16 @@ static fp_chunk_t fp_run_claim(fp_copier_t *c, fp_run_t *run)
     return ch;
 }
 
+/* Entries under this are copied by memcpy even in a streaming run: each
+ * streaming copy ends with a fence, which would cost more than it saves on a
+ * few cache lines (a batch's labels, 8 bytes a sample). */
+#define FP_COPIER_STREAM_ENTRY ((size_t)4 << 10)
+
 /* n bytes, by streaming stores where asked (and there are some). */
 static void fp_copy_bytes(void *dst, const void *src, size_t n, int stream)
 {
 #if FP_HAVE_STREAMING
-    if (stream) {
+    if (stream && n >= FP_COPIER_STREAM_ENTRY) {
         fp_copy_streaming(dst, src, n);
         return;
     }

@@ -525,7 +525,8 @@ int fp_copier_set_affinity(fp_copier_t *copier, const int *cpus, size_t count);
  *     machine of many cores, waking a pool thread costs more than a core's
  *     memcpy of a MiB (H200 host: 76 us with the pool against 54 alone).
  *   - Chunks are FP_COPIER_CHUNK_MIN to FP_COPIER_CHUNK bytes.
- *   - From FP_COPIER_STREAM bytes (x86-64) the stores bypass the cache: a
+ *   - From FP_COPIER_STREAM bytes (x86-64) the stores bypass the cache (for
+ *     the run's pieces of 4 KiB or more; smaller ones go by memcpy): a
  *     destination that large is read by DMA or from memory anyway, and such
  *     stores do not read every line before writing it (a third less memory
  *     traffic). fp_copier_set_streaming(copier, 0) turns them off. */

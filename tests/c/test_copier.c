@@ -209,8 +209,10 @@ static void test_streaming(fp_copier_t *c, uint64_t seed)
                 check_single(c, sizes[s], offs[o][0], offs[o][1], seed + s * 16 + o);
         enum { N = 70000 };
         size_t *tiny = xmalloc(N * sizeof *tiny);
+        /* ~4.5 MB of entries of 0 to 129 bytes, and every 1000th of 4095 to
+         * 4097, around the smallest entry that is streamed. */
         for (size_t i = 0; i < N; i++)
-            tiny[i] = mix(seed + i) % 130; /* ~4.5 MB, entries of 0 to 129 bytes */
+            tiny[i] = i % 1000 == 0 ? 4095 + (i / 1000) % 3 : mix(seed + i) % 130;
         char what[96];
         snprintf(what, sizeof what, "threads=%d streaming=%d 70000 tiny",
                  fp_copier_threads(c), have);
