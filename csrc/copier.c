@@ -454,7 +454,7 @@ int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count)
     }
 
     int stream = fp_copier_streams(copier) && total >= FP_COPIER_STREAM;
-    if (total < FP_COPIER_INLINE || copier->nworkers == 0) {
+    if (total <= FP_COPIER_INLINE || copier->nworkers == 0) {
         for (size_t i = 0; i < count; i++)
             if (copies[i].size > 0)
                 fp_copy_bytes(copies[i].dst, copies[i].src, copies[i].size, stream);

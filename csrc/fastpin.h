@@ -143,8 +143,9 @@ enum {
     X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2",                              \
       (fp_cu_deviceptr_t dst, const void *src, size_t bytes,                  \
        fp_cu_stream_t stream))                                                \
-    X(cuPointerGetAttribute, "cuPointerGetAttribute",                         \
-      (void *data, unsigned int attribute, fp_cu_deviceptr_t ptr))            \
+    X(cuPointerGetAttributes, "cuPointerGetAttributes",                       \
+      (unsigned int count, unsigned int *attributes, void **data,             \
+       fp_cu_deviceptr_t ptr))                                                \
     X(cuCtxGetCurrent, "cuCtxGetCurrent", (fp_cu_context_t * ctx))            \
     X(cuCtxGetDevice, "cuCtxGetDevice", (fp_cu_device_t * device))
 
@@ -521,19 +522,26 @@ int fp_copier_set_affinity(fp_copier_t *copier, const int *cpus, size_t count);
 /* Copies every entry, splitting large ones into chunks shared among the
  * pool's threads and the caller; returns when all bytes are copied. Safe to
  * call from many threads at once. Never call with the GIL held.
- *   - A run under FP_COPIER_INLINE bytes is copied by the caller alone: on a
- *     machine of many cores, waking a pool thread costs more than a core's
- *     memcpy of a MiB (H200 host: 76 us with the pool against 54 alone).
+ *   - A run of up to FP_COPIER_INLINE bytes is copied by the caller alone:
+ *     on a machine of many cores, waking pool threads costs more than a
+ *     core's memcpy of a MiB (H200 hosts, one MiB: 71 us with the pool
+ *     against 53 alone, and 48 against 33 on another; from 1.5 MiB the pool
+ *     was ahead on one of them: benchmarks/pool_sizes.c).
  *   - Chunks are FP_COPIER_CHUNK_MIN to FP_COPIER_CHUNK bytes.
  *   - From FP_COPIER_STREAM bytes (x86-64) the stores bypass the cache (for
  *     the run's pieces of 4 KiB or more; smaller ones go by memcpy): a
  *     destination that large is read by DMA or from memory anyway, and such
  *     stores do not read every line before writing it (a third less memory
  *     traffic). fp_copier_set_streaming(copier, 0) turns them off. */
+/* (A build may set the two thresholds: benchmarks/pool_sizes.c compares.) */
+#ifndef FP_COPIER_INLINE
 #define FP_COPIER_INLINE ((size_t)1 << 20)
+#endif
 #define FP_COPIER_CHUNK_MIN ((size_t)512 << 10)
 #define FP_COPIER_CHUNK ((size_t)2 << 20)
+#ifndef FP_COPIER_STREAM
 #define FP_COPIER_STREAM ((size_t)4 << 20)
+#endif
 int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count);
 /* Whether runs of this pool from FP_COPIER_STREAM bytes use streaming stores
  * (the default where the CPU has them); set from any thread, taking effect
