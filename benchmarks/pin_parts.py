@@ -26,6 +26,7 @@ def parts(x, arena, cuda: bool) -> dict:
         "x.is_pinned()": lambda: x.is_pinned(),
         "x.requires_grad, x.is_neg()": lambda: (x.requires_grad, x.is_neg()),
         "fastpin.pin_memory(x)": lambda: fastpin.pin_memory(x),
+        "arena.pin_tree(x, check_pinned)": lambda: arena.pin_tree(x, cuda),
         "arena.pin_batch([x], check_pinned)": lambda: arena.pin_batch(leaves, cuda),
         "arena.pin_batch([x], False)": lambda: arena.pin_batch(leaves, False),
         "arena.alloc(n) and its free": lambda: arena.alloc(x.nbytes),
@@ -48,10 +49,34 @@ def copy_into_block(x, arena, calls: int) -> float:
     return median_us(lambda: _C.copy(block.ptr, x.data_ptr(), x.nbytes), calls)
 
 
+def pool_against_caller(arena, sizes: list, calls: int) -> None:
+    """The memcpy into one held block with the copy pool and with the caller
+    alone (a pool of one thread), beside torch's one-thread pin: where the
+    pool starts to pay for its wakeups."""
+    threads = _C.get_threads()
+    print(f"\n_C.copy into one held block, us: pool of {threads} against the caller alone")
+    for size in sizes:
+        x = torch.arange(size, dtype=torch.uint8)
+        block = arena.alloc(size)
+        copy = lambda: _C.copy(block.ptr, x.data_ptr(), size)  # noqa: E731
+        pooled = median_us(copy, calls)
+        _C.set_threads(1)
+        alone = median_us(copy, calls)
+        _C.set_threads(threads)
+        saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+        pin = median_us(lambda: x.pin_memory(), calls) if fastpin.cuda_available() else float("nan")
+        torch.set_num_threads(saved)
+        print(f"  {size:9d} bytes: pool {pooled:8.2f}  alone {alone:8.2f}  torch pin, 1 thread {pin:8.2f}")
+        del block
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=5000)
     p.add_argument("--sizes", type=int, nargs="+", default=[65536, 262144, 1 << 20])
+    p.add_argument("--pool-sizes", type=int, nargs="*", default=[],
+                   help="also time the copy pool against the caller alone at these sizes")
     args = p.parse_args()
     cuda = fastpin.cuda_available()
     print(f"torch {torch.__version__}, fastpin from {fastpin.__file__}, CUDA up: {cuda}, "
@@ -66,6 +91,8 @@ def main() -> None:
                 print(f"  {name:40s} {median_us(fn, args.calls):8.2f}")
         print(f"  {'_C.copy into one held block':40s} {copy_into_block(x, arena, args.calls):8.2f}")
         print(f"  distinct blocks over 1000 pin_memory calls: {blocks_cycled(x, 1000)}")
+    if args.pool_sizes:
+        pool_against_caller(arena, args.pool_sizes, min(args.calls, 2000))
 
 
 if __name__ == "__main__":

@@ -193,21 +193,25 @@ static int fp_read_array(fp_batch_t *b, fp_leaf_t *l)
     return 1;
 }
 
-/* `out` (a new reference, stolen) with the dtype of `leaf`: DLPack has one
- * code for several torch dtypes (uint1..uint7 travel as uint8 bytes, as
- * int1..int7 as int8), so a view gives the leaf's own back. */
-static PyObject *fp_same_dtype(fp_state *st, PyObject *out, PyObject *leaf)
+/* `out` (a new reference, stolen) with the dtype of `leaf`, for the 8-bit
+ * integer codes: DLPack has one for several torch dtypes (uint1..uint7
+ * travel as uint8 bytes, int1..int7 as int8), so a view gives the leaf's own
+ * back. What torch makes of each code is read once. */
+static PyObject *fp_same_dtype(fp_state *st, PyObject *out, PyObject *leaf, uint8_t code)
 {
+    PyObject **made = &st->byte_dtypes[code == kDLUInt];
+    if (!*made && !(*made = PyObject_GetAttr(out, st->names[FP_NAME_DTYPE]))) {
+        Py_DECREF(out);
+        return NULL;
+    }
     PyObject *want = PyObject_GetAttr(leaf, st->names[FP_NAME_DTYPE]);
-    PyObject *got = want ? PyObject_GetAttr(out, st->names[FP_NAME_DTYPE]) : NULL;
-    if (got && got != want) {
+    if (want && want != *made) {
         PyObject *view = PyObject_CallMethodOneArg(out, st->names[FP_NAME_VIEW], want);
         Py_SETREF(out, view);
     }
-    if (!got)
+    if (!want)
         Py_CLEAR(out);
     Py_XDECREF(want);
-    Py_XDECREF(got);
     return out;
 }
 
@@ -224,7 +228,9 @@ static PyObject *fp_leaf_view(fp_state *st, fp_batch_t *b, const fp_leaf_t *l, P
          * this block outlives its batch, never a double free. */
         if (!t || st->torch_api->managed_tensor_to_py_object_no_sync(t, &made))
             return NULL;
-        return fp_same_dtype(st, made, l->leaf);
+        if ((l->dtype.code == kDLInt || l->dtype.code == kDLUInt) && l->dtype.bits == 8)
+            return fp_same_dtype(st, made, l->leaf, l->dtype.code);
+        return made; /* every other code is one torch dtype */
     }
     PyArray_Descr *descr = PyArray_DESCR((PyArrayObject *)l->leaf);
     Py_INCREF(descr); /* stolen below */
@@ -300,26 +306,20 @@ static PyObject *fp_batch_views(fp_state *st, fp_batch_t *b, PyObject **items, P
     return outs;
 }
 
-PyObject *Arena_pin_batch(ArenaObject *self, PyObject *args)
+/* The pinned views of `items` (n leaves, held by the caller) in a new list;
+ * Py_None when a leaf needs the Python pipeline (nothing allocated); NULL
+ * with an exception. */
+static PyObject *fp_pin_items(fp_state *st, ArenaObject *self, PyObject **items, Py_ssize_t n,
+                              int check_pinned)
 {
-    fp_state *st = fp_state_of_type(Py_TYPE(self));
-    PyObject *list;
-    int check_pinned;
-    if (!PyArg_ParseTuple(args, "O!p:pin_batch", &PyList_Type, &list, &check_pinned))
-        return NULL;
-    Py_INCREF(list); /* its items are borrowed while Python code may run */
-    Py_ssize_t n = PyList_GET_SIZE(list);
-    PyObject **items = PyMem_Malloc(((size_t)n + 1) * sizeof *items);
     fp_batch_t b = {.leaves = PyMem_Calloc((size_t)n + 1, sizeof *b.leaves)};
     fp_copy_t *copies = PyMem_Calloc((size_t)n + 1, sizeof *copies);
     uint64_t *offsets = PyMem_Calloc((size_t)n + 1, sizeof *offsets);
     PyObject *result = NULL, *block = NULL;
-    if (!items || !b.leaves || !copies || !offsets) {
+    if (!b.leaves || !copies || !offsets) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++)
-        items[i] = Py_NewRef(PyList_GET_ITEM(list, i)); /* the list may change under us */
     int took;
     {
         /* The driver answers for the arena's context (the device's primary
@@ -355,15 +355,209 @@ PyObject *Arena_pin_batch(ArenaObject *self, PyObject *args)
     }
 done:
     Py_XDECREF(block);
-    if (items && b.leaves)
-        for (Py_ssize_t i = 0; i < n; i++)
-            Py_DECREF(items[i]);
-    Py_DECREF(list);
-    PyMem_Free(items);
     PyMem_Free(b.leaves);
     PyMem_Free(b.dims);
     PyMem_Free(copies);
     PyMem_Free(offsets);
+    return result;
+}
+
+PyObject *Arena_pin_batch(ArenaObject *self, PyObject *args)
+{
+    fp_state *st = fp_state_of_type(Py_TYPE(self));
+    PyObject *list;
+    int check_pinned;
+    if (!PyArg_ParseTuple(args, "O!p:pin_batch", &PyList_Type, &list, &check_pinned))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    PyObject **items = PyMem_Malloc(((size_t)n + 1) * sizeof *items);
+    if (!items)
+        return PyErr_NoMemory();
+    /* Held: Python code may run meanwhile (a tensor's attributes) and change the list. */
+    for (Py_ssize_t i = 0; i < n; i++)
+        items[i] = Py_NewRef(PyList_GET_ITEM(list, i));
+    PyObject *result = fp_pin_items(st, self, items, n, check_pinned);
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_DECREF(items[i]);
+    PyMem_Free(items);
+    return result;
+}
+
+/* ---- a whole batch: pin_tree ----------------------------------------------
+ *
+ * pin_memory's one C call for the common batch: a leaf, or exact lists,
+ * tuples and dicts of leaves and of plain values (None, bool, int, float,
+ * str, bytes), as flatten (fastpin/_walk.py) would walk it. The walk records
+ * every node in preorder, holding a reference to each leaf, value and key,
+ * and reads each container once, so the rebuild pairs keys and values as
+ * they were. Anything else (another type, deeper nesting) is left to the
+ * Python pipeline, before anything is allocated. */
+
+enum { FP_NODE_LEAF, FP_NODE_VALUE, FP_NODE_KEY, FP_NODE_LIST, FP_NODE_TUPLE, FP_NODE_DICT };
+
+/* Containers nested deeper than this go to the Python pipeline. */
+#define FP_TREE_DEPTH 32
+
+typedef struct {
+    int kind;       /* FP_NODE_* */
+    Py_ssize_t n;   /* a container's items (a dict's: key and value pairs) */
+    PyObject *obj;  /* a reference: a leaf, a value or a key; NULL for containers */
+} fp_node_t;
+
+typedef struct {
+    fp_node_t *nodes;
+    size_t count, cap;
+    PyObject **leaves; /* borrowed from nodes, in order */
+    size_t nleaves, leaves_cap;
+} fp_tree_t;
+
+/* Appends a node (taking a reference to obj) and, for a leaf, the leaf; -1
+ * with MemoryError. */
+static int fp_tree_push(fp_tree_t *t, int kind, Py_ssize_t n, PyObject *obj)
+{
+    if (t->count == t->cap) {
+        size_t cap = t->cap ? 2 * t->cap : 16;
+        fp_node_t *nodes = PyMem_Realloc(t->nodes, cap * sizeof *nodes);
+        if (!nodes)
+            goto nomem;
+        t->nodes = nodes;
+        t->cap = cap;
+    }
+    if (kind == FP_NODE_LEAF && t->nleaves == t->leaves_cap) {
+        size_t cap = t->leaves_cap ? 2 * t->leaves_cap : 8;
+        PyObject **leaves = PyMem_Realloc(t->leaves, cap * sizeof *leaves);
+        if (!leaves)
+            goto nomem;
+        t->leaves = leaves;
+        t->leaves_cap = cap;
+    }
+    t->nodes[t->count++] = (fp_node_t){kind, n, Py_XNewRef(obj)};
+    if (kind == FP_NODE_LEAF)
+        t->leaves[t->nleaves++] = obj;
+    return 0;
+nomem:
+    PyErr_NoMemory();
+    return -1;
+}
+
+static void fp_tree_free(fp_tree_t *t)
+{
+    for (size_t i = 0; i < t->count; i++)
+        Py_XDECREF(t->nodes[i].obj);
+    PyMem_Free(t->nodes);
+    PyMem_Free(t->leaves);
+}
+
+static int fp_is_plain_value(PyObject *x)
+{
+    PyTypeObject *type = Py_TYPE(x);
+    return x == Py_None || type == &PyBool_Type || type == &PyLong_Type ||
+           type == &PyFloat_Type || type == &PyUnicode_Type || type == &PyBytes_Type;
+}
+
+/* Records x and what it holds; 1, 0 when the Python pipeline must walk it,
+ * -1 on an error. Runs no Python code, so no container changes under it. */
+static int fp_tree_walk(fp_state *st, fp_tree_t *t, PyObject *x, int depth)
+{
+    PyTypeObject *type = Py_TYPE(x);
+    if ((st->TensorType && type == (PyTypeObject *)st->TensorType) || type == &PyArray_Type)
+        return fp_tree_push(t, FP_NODE_LEAF, 0, x) ? -1 : 1;
+    if (fp_is_plain_value(x))
+        return fp_tree_push(t, FP_NODE_VALUE, 0, x) ? -1 : 1;
+    if (depth >= FP_TREE_DEPTH)
+        return 0;
+    if (type == &PyList_Type || type == &PyTuple_Type) {
+        Py_ssize_t n = Py_SIZE(x);
+        PyObject **items = type == &PyList_Type ? ((PyListObject *)x)->ob_item
+                                                : ((PyTupleObject *)x)->ob_item;
+        if (fp_tree_push(t, type == &PyList_Type ? FP_NODE_LIST : FP_NODE_TUPLE, n, NULL))
+            return -1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int r = fp_tree_walk(st, t, items[i], depth + 1);
+            if (r <= 0)
+                return r;
+        }
+        return 1;
+    }
+    if (type == &PyDict_Type) {
+        if (fp_tree_push(t, FP_NODE_DICT, PyDict_GET_SIZE(x), NULL))
+            return -1;
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(x, &pos, &key, &value)) {
+            if (fp_tree_push(t, FP_NODE_KEY, 0, key))
+                return -1;
+            int r = fp_tree_walk(st, t, value, depth + 1);
+            if (r <= 0)
+                return r;
+        }
+        return 1;
+    }
+    return 0;
+}
+
+/* The structure from node *at on, its leaves from `outs` (the pinned views,
+ * in order, from *leaf on): a new reference, or NULL. */
+static PyObject *fp_tree_build(const fp_tree_t *t, size_t *at, PyObject *outs, Py_ssize_t *leaf)
+{
+    const fp_node_t *node = &t->nodes[(*at)++];
+    if (node->kind == FP_NODE_LEAF)
+        return Py_NewRef(PyList_GET_ITEM(outs, (*leaf)++));
+    if (node->kind == FP_NODE_VALUE)
+        return Py_NewRef(node->obj);
+    if (node->kind == FP_NODE_DICT) {
+        PyObject *dict = PyDict_New();
+        for (Py_ssize_t i = 0; dict && i < node->n; i++) {
+            PyObject *key = t->nodes[(*at)++].obj;
+            PyObject *value = fp_tree_build(t, at, outs, leaf);
+            if (!value || PyDict_SetItem(dict, key, value))
+                Py_CLEAR(dict);
+            Py_XDECREF(value);
+        }
+        return dict;
+    }
+    int list = node->kind == FP_NODE_LIST;
+    PyObject *seq = list ? PyList_New(node->n) : PyTuple_New(node->n);
+    for (Py_ssize_t i = 0; seq && i < node->n; i++) {
+        PyObject *item = fp_tree_build(t, at, outs, leaf);
+        if (!item)
+            Py_CLEAR(seq);
+        else if (list)
+            PyList_SET_ITEM(seq, i, item);
+        else
+            PyTuple_SET_ITEM(seq, i, item);
+    }
+    return seq;
+}
+
+PyObject *Arena_pin_tree(ArenaObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    fp_state *st = fp_state_of_type(Py_TYPE(self));
+    int check_pinned;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "pin_tree takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if ((check_pinned = PyObject_IsTrue(args[1])) < 0)
+        return NULL;
+    fp_tree_t t = {0};
+    PyObject *result = NULL;
+    int walked = fp_tree_walk(st, &t, args[0], 0);
+    if (walked == 0)
+        result = Py_NewRef(Py_NotImplemented);
+    if (walked <= 0)
+        goto done;
+    PyObject *outs = fp_pin_items(st, self, t.leaves, (Py_ssize_t)t.nleaves, check_pinned);
+    if (outs == Py_None)
+        result = Py_NewRef(Py_NotImplemented);
+    else if (outs) {
+        size_t at = 0;
+        Py_ssize_t leaf = 0;
+        result = fp_tree_build(&t, &at, outs, &leaf);
+    }
+    Py_XDECREF(outs);
+done:
+    fp_tree_free(&t);
     return result;
 }
 

@@ -884,6 +884,12 @@ static PyMethodDef Arena_methods[] = {
      "in order (counted in pin_counts()). None: a leaf needs the Python pipeline\n"
      "(another type, a gather, autograd, torch not yet registered by use_torch);\n"
      "nothing was allocated. With check_pinned, pinned tensors come back as they are."},
+    {"pin_tree", (PyCFunction)(void (*)(void))Arena_pin_tree, METH_FASTCALL,
+     "pin_tree(data, check_pinned) -> pinned data | NotImplemented\n"
+     "pin_batch for a whole batch: a leaf, or exact lists, tuples and dicts of\n"
+     "leaves and of None, bool, int, float, str and bytes (nested up to 32 deep),\n"
+     "rebuilt with the pinned views. NotImplemented: something in it needs the\n"
+     "Python pipeline; nothing was allocated."},
     {"alloc", (PyCFunction)Arena_alloc, METH_O, "alloc(nbytes) -> Block"},
     {"pin", (PyCFunction)Arena_pin, METH_VARARGS,
      "pin([(address, nbytes), ...], align=GRANULE) -> (Block, offsets)\n"
@@ -1305,6 +1311,8 @@ static int fp_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->ArenaFullError);
     Py_VISIT(st->TensorType);
     Py_VISIT(st->torch_api_obj);
+    Py_VISIT(st->byte_dtypes[0]);
+    Py_VISIT(st->byte_dtypes[1]);
     for (int i = 0; i < FP_NAMES; i++)
         Py_VISIT(st->names[i]);
     return 0;
@@ -1321,6 +1329,8 @@ static int fp_clear(PyObject *module)
     st->torch_api = NULL;
     Py_CLEAR(st->TensorType);
     Py_CLEAR(st->torch_api_obj);
+    Py_CLEAR(st->byte_dtypes[0]);
+    Py_CLEAR(st->byte_dtypes[1]);
     for (int i = 0; i < FP_NAMES; i++)
         Py_CLEAR(st->names[i]);
     return 0;

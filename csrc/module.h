@@ -41,6 +41,8 @@ typedef struct {
     PyObject *torch_api_obj;  /* the capsule that keeps torch_api valid */
     const fp_exchange_api_t *torch_api; /* torch's DLPack exchange API, or NULL */
     PyObject *names[FP_NAMES];
+    PyObject *byte_dtypes[2]; /* torch.int8, torch.uint8: what torch makes of DLPack's
+                                 8-bit int and uint codes (batch.c), or NULL */
     struct {
         uint64_t batches, leaves, bytes;
     } pinned;                 /* what pin_batch placed in this process; under the GIL */
@@ -80,6 +82,7 @@ int fp_pin_copies(fp_state *st, fp_arena_t *arena, fp_copy_t *copies,
 /* batch.c */
 PyObject *fp_use_torch(PyObject *module, PyObject *args);
 PyObject *Arena_pin_batch(ArenaObject *self, PyObject *args);
+PyObject *Arena_pin_tree(ArenaObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *fp_pin_counts(PyObject *module, PyObject *ignored);
 
 #endif /* FASTPIN_MODULE_H */

@@ -137,6 +137,11 @@ class Arena:
         arrays that one memcpy each copies, into one block at GRANULE-aligned
         offsets; their views in order, or None (nothing allocated) when a leaf
         needs the Python pipeline. check_pinned: pinned tensors come back as is."""
+    def pin_tree(self, data: Any, check_pinned: bool, /) -> Any:
+        """pin_batch for a whole batch: a leaf, or exact lists, tuples and dicts of
+        leaves and of None, bool, int, float, str and bytes (up to 32 deep), rebuilt
+        around the pinned views; NotImplemented (nothing allocated) when something
+        in it needs the Python pipeline."""
     def adopt(self, index: int, nbytes: int, /) -> Block:
         """In the creator: take over a block that a worker filled and detached."""
     def reclaim(self) -> int:

@@ -137,16 +137,21 @@ def _current_device() -> int:
     device = settings.device
     if device is not None:
         return device
-    # The context current in this thread is torch's current device's (its
-    # set_device makes it current): one driver call, where torch's own
-    # current_device() costs microseconds. No context current: ask torch.
-    device = _C.current_device()
+    device = _context_device()
     if device >= 0:
         return device
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.current_device()
     return 0
+
+
+def _context_device() -> int:
+    """The device whose context is current in this thread, -1 where none is.
+    That is torch's current device (its set_device makes it current, and
+    DataLoader's pin thread calls it first): one driver call, where torch's
+    own current_device() costs microseconds."""
+    return _C.current_device()
 
 
 def device_index(device: Any = None) -> int:
@@ -168,9 +173,11 @@ def device_index(device: Any = None) -> int:
         if ordinal:
             index = int(ordinal)
         else:
-            torch = sys.modules.get("torch")
-            index = (torch.cuda.current_device() if torch is not None
-                     and torch.cuda.is_available() else _current_device())
+            index = _context_device()
+            if index < 0:
+                torch = sys.modules.get("torch")
+                index = (torch.cuda.current_device() if torch is not None
+                         and torch.cuda.is_available() else _current_device())
     if index < 0:
         raise ValueError(f"not a CUDA device: {device!r}")
     return index
@@ -237,6 +244,10 @@ def make_placed_arena(capacity: int, index: int, **kwargs) -> _C.Arena:
 def made_default_arena(device: Any = None) -> Optional[_C.Arena]:
     """The default arena of `device` if this process has made it, else None:
     unlike default_arena(), it makes (and page-locks) nothing."""
+    if device is None and settings.device is None:
+        index = _context_device()  # pin_memory's common case: one driver call
+        if index >= 0:
+            return _arenas.get(index)
     return _arenas.get(device_index(device))
 
 

@@ -63,7 +63,7 @@ _torch_seen = False
 
 
 def _use_torch() -> None:
-    """Let Arena.pin_batch read and make torch tensors (through torch's DLPack C
+    """Let Arena.pin_tree read and make torch tensors (through torch's DLPack C
     exchange API, where this torch has it), once torch is imported."""
     global _torch_seen
     torch = sys.modules["torch"]
@@ -105,21 +105,21 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
         _graphs.watch()
     if on_full is not None and on_full not in ON_FULL:
         raise ValueError(f"on_full must be 'fallback', 'wait' or 'raise', not {on_full!r}")
+    if not _torch_seen and sys.modules.get("torch") is not None:
+        _use_torch()
+    # The default arena is made by the first batch that places a leaf (below).
+    fast_arena = arena if arena is not None else made_default_arena(device)
+    if fast_arena is not None:
+        try:
+            # One C call for the common batch (lists, tuples and dicts of plain
+            # tensors and arrays, each one memcpy); NotImplemented: something
+            # in it needs the Python pipeline below.
+            out = fast_arena.pin_tree(data, cuda)
+        except _C.ArenaFullError:
+            out = NotImplemented  # the full-arena policy below decides
+        if out is not NotImplemented:
+            return out
     spec, leaves = flatten(data, is_leaf)  # one walk: the rebuild uses this record
-    if leaves:
-        if not _torch_seen and sys.modules.get("torch") is not None:
-            _use_torch()
-        # The default arena is made by the first batch that places a leaf (below).
-        fast_arena = arena if arena is not None else made_default_arena(device)
-        if fast_arena is not None:
-            try:
-                # One C call for the common batch (plain tensors and arrays, each
-                # one memcpy); None: a leaf needs the Python pipeline below.
-                outs = fast_arena.pin_batch(leaves, cuda)
-            except _C.ArenaFullError:
-                outs = None  # the full-arena policy below decides
-            if outs is not None:
-                return unflatten(spec, outs)
     return _pin_planned(spec, leaves, device, arena, on_full)
 
 

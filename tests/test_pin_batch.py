@@ -170,3 +170,114 @@ def test_many_leaves_and_deep_shapes(arena):
     assert outs is not None
     for o, x in zip(outs, leaves):
         assert_same(o, x)
+
+
+# ---- Arena.pin_tree: the whole batch in one call ---------------------------------
+
+def tree(data, arena, check_pinned=False):
+    _pin._use_torch()
+    return arena.pin_tree(data, check_pinned)
+
+
+def batch_of_every_container(seed):
+    label = "seven"
+    return {
+        "image": patterned((3, 8, 8), torch.uint8, seed),
+        "nested": [patterned((4,), np.float32, seed + 1),
+                   (patterned((2, 3), torch.float64, seed + 2), label, None, 3, 2.5, True, b"x"),
+                   {9: patterned((5,), torch.int4 if hasattr(torch, "int4") else torch.int8,
+                                 seed + 3)}],
+        "empty": [], "unit": (), "none": None,
+    }
+
+
+def test_pin_tree_gives_what_the_pipeline_gives(arena):
+    data = batch_of_every_container(4)
+    before = _C.pin_counts()
+    out = tree(data, arena)
+    assert out is not NotImplemented
+    assert _C.pin_counts()[:2] == (before[0] + 1, before[1] + 4)
+    ref = _pin._pin_planned(*flatten(data, is_leaf), None, arena, "raise")
+
+    def same(o, r, x):
+        assert type(o) is type(r) is type(x)
+        if isinstance(x, dict):
+            assert list(o) == list(r) == list(x)   # the keys, in their order
+            for k in x:
+                same(o[k], r[k], x[k])
+        elif isinstance(x, (list, tuple)):
+            assert len(o) == len(r) == len(x)
+            for a, b, c in zip(o, r, x):
+                same(a, b, c)
+        elif isinstance(x, (torch.Tensor, np.ndarray)):
+            assert_same(o, x)
+            assert o is not x and in_arena(o, arena)
+        else:
+            assert o is x   # values come back as they are
+
+    same(out, ref, data)
+
+
+def test_pin_tree_places_a_batch_in_one_block(arena):
+    base = arena.stats()["blocks_in_use"]
+    out = tree({"a": patterned((100,), torch.int32, 1), "b": [patterned((9,), np.uint8, 2)]},
+               arena)
+    assert arena.stats()["blocks_in_use"] == base + 1
+    del out
+    arena.collect()
+    assert arena.stats()["blocks_in_use"] == base
+
+
+@pytest.mark.parametrize("case", [
+    "namedtuple", "ordered_dict", "subclassed_list", "object", "bytearray", "numpy_scalar",
+    "requires_grad", "too_deep"])
+def test_pin_tree_leaves_these_to_the_pipeline(case, arena):
+    import collections
+
+    x = patterned((6,), torch.float32, 3)
+    Pair = collections.namedtuple("Pair", "a b")
+
+    class Listy(list):
+        pass
+
+    deep = x
+    for _ in range(40):
+        deep = [deep]
+    data = {
+        "namedtuple": lambda: Pair(x, 1),
+        "ordered_dict": lambda: collections.OrderedDict(a=x),
+        "subclassed_list": lambda: Listy([x]),
+        "object": lambda: [x, object()],
+        "bytearray": lambda: [x, bytearray(b"ab")],
+        "numpy_scalar": lambda: [x, np.float32(1.5)],
+        "requires_grad": lambda: {"a": x, "b": patterned((3,), torch.float32, 4).requires_grad_()},
+        "too_deep": lambda: deep,
+    }[case]()
+    before = arena.stats()
+    assert tree(data, arena) is NotImplemented
+    after = arena.stats()
+    assert (after["blocks_in_use"], after["bytes_in_use"]) == (before["blocks_in_use"],
+                                                           before["bytes_in_use"])
+    # ... and pin_memory gives the pipeline's answer, its types kept.
+    out = fastpin.pin_memory(data, arena=arena)
+    assert type(out) is type(data)
+
+
+def test_pin_tree_keeps_sub_byte_dtypes(arena):
+    kinds = [d for d in DTYPES if torch.empty((), dtype=d).element_size() == 1]
+    leaves = [shell(d, (4, 3), i) for i, d in enumerate(kinds)]
+    out = tree(leaves, arena)
+    for o, x in zip(out, leaves):
+        assert o.dtype == x.dtype
+        assert_same(o, x)
+
+
+def test_pin_tree_takes_two_arguments(arena):
+    with pytest.raises(TypeError, match="2 arguments"):
+        arena.pin_tree([])
+
+
+def test_pin_memory_of_a_batch_without_leaves_rebuilds_it(arena):
+    data = {"a": [1, "b", None], "c": (2.5,)}
+    out = fastpin.pin_memory(data, arena=arena)
+    assert out == data and out is not data and out["a"] is not data["a"]
