@@ -27,17 +27,29 @@ def _patterned(nbytes: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
 
 
-def _time(fn, nbytes: int, min_seconds: float, min_iters: int) -> float:
-    """Median GB/s of fn() over at least min_iters calls and min_seconds."""
-    for _ in range(3):
-        fn()
-    times = []
-    start = time.perf_counter()
-    while len(times) < min_iters or time.perf_counter() - start < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
+# Each cell of a row is timed in this many turns, the cells taking turns, so
+# that a machine whose speed drifts (small copies on shared hosts vary from
+# second to second) moves every cell alike, not only the one timed last.
+_ROUNDS = 5
+
+
+def _time_cells(cells: dict, nbytes: int, min_seconds: float, min_iters: int) -> dict:
+    """Median GB/s of each cell's fn() (name -> (fn, torch threads)), over at
+    least min_iters calls and min_seconds each, in _ROUNDS interleaved turns."""
+    times: dict = {name: [] for name in cells}
+    for turn in range(1, _ROUNDS + 1):
+        for name, (fn, threads) in cells.items():
+            calls = times[name]
+            with _Threads(threads):
+                for _ in range(3 if turn == 1 else 1):
+                    fn()
+                start = time.perf_counter()
+                while (len(calls) * _ROUNDS < min_iters * turn
+                       or time.perf_counter() - start < min_seconds / _ROUNDS):
+                    t0 = time.perf_counter()
+                    fn()
+                    calls.append(time.perf_counter() - t0)
+    return {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
 
 
 class _Threads:
@@ -60,26 +72,22 @@ def _pin_row(size_mb: float, gpu: bool, all_threads: int, min_seconds: float,
     src = _patterned(nbytes)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault its pages in before timing
-    row = {"size_mb": size_mb}
-    with _Threads(1):
-        row["memcpy_1"] = _time(lambda: dst.copy_(src), nbytes, min_seconds, min_iters)
-    with _Threads(all_threads):
-        row["memcpy_n"] = _time(lambda: dst.copy_(src), nbytes, min_seconds, min_iters)
-    # The same copy on fastpin's pool, into ordinary memory: with torch's the
-    # best multi-thread memcpy rate this machine shows, the ceiling to compare with.
-    row["memcpy_pool"] = _time(lambda: _C.copy(dst.data_ptr(), src.data_ptr(), nbytes),
-                               nbytes, min_seconds, min_iters)
-    if gpu:
-        with _Threads(1):
-            row["torch_pin_1"] = _time(lambda: src.pin_memory(), nbytes, min_seconds, min_iters)
-        with _Threads(all_threads):
-            row["torch_pin_n"] = _time(lambda: src.pin_memory(), nbytes, min_seconds, min_iters)
     pinned = fastpin.pin_memory(src)
     if not torch.equal(pinned, src):
         raise AssertionError("fastpin.pin_memory returned different data")
     del pinned
-    row["fastpin"] = _time(lambda: fastpin.pin_memory(src), nbytes, min_seconds, min_iters)
-    return row
+    cells = {
+        "memcpy_1": (lambda: dst.copy_(src), 1),
+        "memcpy_n": (lambda: dst.copy_(src), all_threads),
+        # The same copy on fastpin's pool, into ordinary memory: with torch's the
+        # best multi-thread memcpy rate this machine shows, the ceiling to compare with.
+        "memcpy_pool": (lambda: _C.copy(dst.data_ptr(), src.data_ptr(), nbytes), all_threads),
+    }
+    if gpu:
+        cells["torch_pin_1"] = (lambda: src.pin_memory(), 1)
+        cells["torch_pin_n"] = (lambda: src.pin_memory(), all_threads)
+    cells["fastpin"] = (lambda: fastpin.pin_memory(src), all_threads)
+    return {"size_mb": size_mb, **_time_cells(cells, nbytes, min_seconds, min_iters)}
 
 
 def pin_table(sizes_mb, min_seconds: float = 0.5, min_iters: int = 5,
@@ -317,7 +325,8 @@ def format_pin_table(result: dict) -> str:
             f"{r['fastpin'] / best:.2f}x | "
             f"{'n/a' if t1 is None else format(r['fastpin'] / t1, '.2f') + 'x'} |")
     lines.append("")
-    lines.append("GB/s, median of repeated calls on the same patterned batch.")
+    lines.append("GB/s, median of repeated calls on the same patterned batch, the columns timed "
+                 "in five interleaved turns.")
     if not result["gpu"]:
         lines.append("No GPU: nothing is page-locked here; torch cannot pin without an "
                      "accelerator, so its pin rows are n/a and fastpin copies into ordinary memory.")
