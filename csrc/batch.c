@@ -60,11 +60,17 @@ static int fp_dims_reserve(fp_batch_t *b, size_t n)
     return 0;
 }
 
-/* x.name (an attribute) or x.name() (a method: `call`), name interned: 1 if
- * it is true, 0 if not, -1 on an error. */
-static int fp_flag(PyObject *x, PyObject *name, int call)
+/* Flag `which` (FP_NAME_*) of tensor x, an exact torch.Tensor: 1 if it is
+ * true, 0 if not, -1 on an error. Through the type's own descriptor, read
+ * once: the attribute's getter or the method, called on x, with no lookup
+ * and no bound method per call (torch's __torch_function__ handling is in
+ * them, so it still applies). */
+static int fp_flag(fp_state *st, PyObject *x, int which)
 {
-    PyObject *r = call ? PyObject_CallMethodNoArgs(x, name) : PyObject_GetAttr(x, name);
+    PyObject *d = st->flags[which];
+    PyObject *r = which == FP_NAME_REQUIRES_GRAD
+                      ? Py_TYPE(d)->tp_descr_get(d, x, (PyObject *)Py_TYPE(x))
+                      : PyObject_Vectorcall(d, &x, 1, NULL);
     if (!r)
         return -1;
     int flag = PyObject_IsTrue(r);
@@ -157,16 +163,16 @@ static int fp_read_tensor(fp_state *st, fp_batch_t *b, fp_leaf_t *l, int check_p
     b->ndims += 2 * (size_t)dl.ndim;
     /* What DLPack does not say: autograd, and the lazy conjugate/negative
      * bits (their data is exported as stored). */
-    int flag = fp_flag(l->leaf, st->names[FP_NAME_REQUIRES_GRAD], 0);
+    int flag = fp_flag(st, l->leaf, FP_NAME_REQUIRES_GRAD);
     if (flag)
         return flag < 0 ? -1 : 0;
-    if ((flag = fp_flag(l->leaf, st->names[FP_NAME_IS_NEG], 1)))
+    if ((flag = fp_flag(st, l->leaf, FP_NAME_IS_NEG)))
         return flag < 0 ? -1 : 0;
-    if (dl.dtype.code == kDLComplex && (flag = fp_flag(l->leaf, st->names[FP_NAME_IS_CONJ], 1)))
+    if (dl.dtype.code == kDLComplex && (flag = fp_flag(st, l->leaf, FP_NAME_IS_CONJ)))
         return flag < 0 ? -1 : 0;
     if (check_pinned == FP_PINNED_BY_DRIVER)
         flag = fp_cuda_is_pinned(l->src);
-    else if (check_pinned && (flag = fp_flag(l->leaf, st->names[FP_NAME_IS_PINNED], 1)) < 0)
+    else if (check_pinned && (flag = fp_flag(st, l->leaf, FP_NAME_IS_PINNED)) < 0)
         return -1;
     if (flag)
         l->kind = FP_LEAF_KEEP;
@@ -588,6 +594,29 @@ PyObject *fp_use_torch(PyObject *module, PyObject *args)
     for (int i = 0; i < FP_NAMES; i++)
         if (!st->names[i] && !(st->names[i] = PyUnicode_InternFromString(names[i])))
             return NULL;
+    PyObject *flags[FP_FLAGS];
+    for (int i = 0; i < FP_FLAGS; i++)
+        if (!(flags[i] = PyObject_GetAttr(type, st->names[i]))) {
+            while (i--)
+                Py_DECREF(flags[i]);
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+                return NULL;
+            PyErr_Clear(); /* not torch.Tensor's shape of type */
+            Py_RETURN_FALSE;
+        }
+    /* The attribute must be a descriptor with a getter (torch's getset); the
+     * methods anything callable with the tensor first. */
+    int usable = Py_TYPE(flags[FP_NAME_REQUIRES_GRAD])->tp_descr_get != NULL;
+    for (int i = 0; i < FP_FLAGS; i++)
+        usable = usable && (i == FP_NAME_REQUIRES_GRAD || PyCallable_Check(flags[i]));
+    for (int i = 0; i < FP_FLAGS; i++) {
+        if (usable)
+            Py_XSETREF(st->flags[i], flags[i]);
+        else
+            Py_DECREF(flags[i]); /* what was registered before stays */
+    }
+    if (!usable)
+        Py_RETURN_FALSE;
     Py_XSETREF(st->TensorType, Py_NewRef(type));
     Py_XSETREF(st->torch_api_obj, Py_NewRef(capsule));
     st->torch_api = api;

@@ -1312,6 +1312,8 @@ static int fp_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->TensorType);
     Py_VISIT(st->torch_api_obj);
     Py_VISIT(st->byte_dtypes[0]);
+    for (int i = 0; i < FP_FLAGS; i++)
+        Py_VISIT(st->flags[i]);
     Py_VISIT(st->byte_dtypes[1]);
     for (int i = 0; i < FP_NAMES; i++)
         Py_VISIT(st->names[i]);
@@ -1330,6 +1332,8 @@ static int fp_clear(PyObject *module)
     Py_CLEAR(st->TensorType);
     Py_CLEAR(st->torch_api_obj);
     Py_CLEAR(st->byte_dtypes[0]);
+    for (int i = 0; i < FP_FLAGS; i++)
+        Py_CLEAR(st->flags[i]);
     Py_CLEAR(st->byte_dtypes[1]);
     for (int i = 0; i < FP_NAMES; i++)
         Py_CLEAR(st->names[i]);

@@ -17,7 +17,8 @@ enum {
     FP_NAME_IS_NEG,
     FP_NAME_IS_CONJ,
     FP_NAME_IS_PINNED,
-    FP_NAME_DTYPE,
+    FP_FLAGS, /* the names before this are flags, read through the type's descriptors */
+    FP_NAME_DTYPE = FP_FLAGS,
     FP_NAME_VIEW,
     FP_NAMES
 };
@@ -41,6 +42,7 @@ typedef struct {
     PyObject *torch_api_obj;  /* the capsule that keeps torch_api valid */
     const fp_exchange_api_t *torch_api; /* torch's DLPack exchange API, or NULL */
     PyObject *names[FP_NAMES];
+    PyObject *flags[FP_FLAGS]; /* torch.Tensor's descriptors of those names (use_torch) */
     PyObject *byte_dtypes[2]; /* torch.int8, torch.uint8: what torch makes of DLPack's
                                  8-bit int and uint codes (batch.c), or NULL */
     struct {

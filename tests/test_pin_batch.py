@@ -161,6 +161,16 @@ def test_use_torch_refuses_what_is_not_the_exchange_api():
     wrong.restype, wrong.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
                                                        ctypes.c_void_p]
     assert _C.use_torch(torch.Tensor, wrong(1, b"not_the_api", None)) is False
+    # The exchange API, on a type without the tensor's flags to read.
+    assert _C.use_torch(dict, torch.Tensor.__dlpack_c_exchange_api__) is False
+
+    class Flagless:
+        requires_grad = is_neg = is_conj = is_pinned = None   # neither getter nor methods
+
+    assert _C.use_torch(Flagless, torch.Tensor.__dlpack_c_exchange_api__) is False
+    # ... and what was registered before still pins.
+    x = patterned((5,), torch.float32, 1)
+    assert_same(fastpin.pin_memory(x), x)
     assert _C.use_torch(torch.Tensor, torch.Tensor.__dlpack_c_exchange_api__) is True
 
 
