@@ -4,7 +4,8 @@ and per leaf (issue 14's targets: at most 1.3x at 64 KB, each extra leaf at
 most 1.5 us). Median of many calls, one process; then the CPU time of
 every thread of the process over all the calls (/proc/self/task/*/schedstat,
 nanoseconds, grouped by thread name), per call, so copies handed to fastpin's
-copy threads are counted too.
+copy threads are counted too. The timed calls of every case and both paths
+take turns (five rounds), so a drifting machine moves them alike.
 
     PYTHONPATH=$PWD python benchmarks/pin_small.py [--calls N]
 """
@@ -30,6 +31,24 @@ def median_us(fn, calls: int) -> float:
         fn()
         times.append(time.perf_counter_ns() - t0)
     return statistics.median(times) / 1e3
+
+
+def interleaved_medians(fns: dict, calls: int, turns: int = 5) -> dict:
+    """Median us of each fn over `calls` calls, timed in `turns` turns that go
+    round every fn: a machine whose speed drifts moves them all alike (the
+    per-leaf figure is a difference of two of them)."""
+    times: dict = {name: [] for name in fns}
+    for fn in fns.values():
+        for _ in range(min(200, calls)):
+            fn()
+    for _ in range(turns):
+        for name, fn in fns.items():
+            out = times[name]
+            for _ in range(calls // turns):
+                t0 = time.perf_counter_ns()
+                fn()
+                out.append(time.perf_counter_ns() - t0)
+    return {name: statistics.median(t) / 1e3 for name, t in times.items()}
 
 
 def thread_cpu_ns() -> collections.Counter:
@@ -80,13 +99,15 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"arena {arena.capacity >> 20} MB, {args.calls} calls each, median")
     print(f"{'case':<20} {'copy us':>9} {'fastpin us':>11} {'ratio':>7}")
-    results = {}
+    fns = {}
     for name, batch in cases:
-        base = median_us(lambda: copy_batch(batch), args.calls)
-        fast = median_us(lambda: fastpin.pin_memory(batch), args.calls)
-        results[name] = fast
+        fns[("copy", name)] = lambda batch=batch: copy_batch(batch)
+        fns[("fastpin", name)] = lambda batch=batch: fastpin.pin_memory(batch)
+    us = interleaved_medians(fns, args.calls)
+    for name, _ in cases:
+        base, fast = us[("copy", name)], us[("fastpin", name)]
         print(f"{name:<20} {base:9.2f} {fast:11.2f} {fast / base:7.2f}x")
-    per_leaf = (results["dict of 8 x 8 KB"] - results["dict of 1 x 8 KB"]) / 7
+    per_leaf = (us[("fastpin", "dict of 8 x 8 KB")] - us[("fastpin", "dict of 1 x 8 KB")]) / 7
     print(f"each extra 8 KB leaf: {per_leaf:.2f} us")
     print("\nCPU us per call, every thread of the process (by thread name)")
     print(f"{'case':<20} {'copy':>8} {'fastpin':>8}  fastpin by thread")
