@@ -9,7 +9,8 @@
 #   bash scripts/gpu.sh measure [pin|loader]  build, then
 #                                pin: the GPU tests of pin_memory's C fast path,
 #                                the Loader's modes and the core, pin_small.py,
-#                                pin_parts.py, the pin table (64 KB to 1 GB) with
+#                                pin_parts.py, pin_steady.py, driver_calls.c,
+#                                the pin table (64 KB to 1 GB) with
 #                                streaming stores on and off (about 5 minutes);
 #                                loader: zero-copy CPU per batch by thread (15
 #                                workers), zero-copy default against hand-sized
@@ -82,6 +83,9 @@ if [ "$what" = measure ]; then
         step timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_pin_batch.py
         step timeout 120 env PYTHONPATH="$PWD" python3 benchmarks/pin_small.py
         step timeout 60 env PYTHONPATH="$PWD" python3 benchmarks/pin_parts.py --sizes 65536 1048576
+        step timeout 60 env PYTHONPATH="$PWD" python3 benchmarks/pin_steady.py --windows 6
+        step timeout 60 bash -c "gcc -O2 -I${CUDA_HOME:-/usr/local/cuda}/include -o /tmp/driver_calls \
+            benchmarks/driver_calls.c -ldl && /tmp/driver_calls"
         for s in 1 0; do
             step timeout 150 env FASTPIN_STREAMING=$s python3 -m fastpin.bench --case pin_sizes \
                 --sizes 0.0625 0.25 1 2 16 64 256 1024 --json "$OUT/pin_sizes_streaming$s.json"
