@@ -109,17 +109,25 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
         _use_torch()
     # The default arena is made by the first batch that places a leaf (below).
     fast_arena = arena if arena is not None else made_default_arena(device)
+    spec = None
     if fast_arena is not None:
         try:
             # One C call for the common batch (lists, tuples and dicts of plain
-            # tensors and arrays, each one memcpy); NotImplemented: something
-            # in it needs the Python pipeline below.
+            # tensors and arrays, each one memcpy).
             out = fast_arena.pin_tree(data, cuda)
+            if out is not NotImplemented:
+                return out
+            # Other containers (namedtuples, Mappings, dataclasses) are walked
+            # here, and their leaves still placed in one C call; None: a leaf
+            # needs the Python pipeline below.
+            spec, leaves = flatten(data, is_leaf)  # one walk: the rebuild uses it
+            outs = fast_arena.pin_batch(leaves, cuda)
+            if outs is not None:
+                return unflatten(spec, outs)
         except _C.ArenaFullError:
-            out = NotImplemented  # the full-arena policy below decides
-        if out is not NotImplemented:
-            return out
-    spec, leaves = flatten(data, is_leaf)  # one walk: the rebuild uses this record
+            pass  # the full-arena policy below decides
+    if spec is None:
+        spec, leaves = flatten(data, is_leaf)
     return _pin_planned(spec, leaves, device, arena, on_full)
 
 

@@ -291,3 +291,33 @@ def test_pin_memory_of_a_batch_without_leaves_rebuilds_it(arena):
     data = {"a": [1, "b", None], "c": (2.5,)}
     out = fastpin.pin_memory(data, arena=arena)
     assert out == data and out is not data and out["a"] is not data["a"]
+
+
+@pytest.mark.parametrize("kind", ["namedtuple", "ordered_dict", "dataclass"])
+def test_batches_the_c_walk_leaves_still_pin_their_leaves_in_one_c_call(kind, arena):
+    """A container pin_tree does not walk (namedtuple, Mapping, dataclass) is
+    walked in Python, and its plain leaves still go through pin_batch, not the
+    Python pipeline."""
+    import collections
+    import dataclasses
+
+    x, a = patterned((16,), torch.int32, 1), patterned((4,), np.float64, 2)
+    Pair = collections.namedtuple("Pair", "x a")
+
+    @dataclasses.dataclass
+    class Sample:
+        x: object
+        a: object
+
+    data = {"namedtuple": lambda: Pair(x, a),
+            "ordered_dict": lambda: collections.OrderedDict(x=x, a=a),
+            "dataclass": lambda: Sample(x, a)}[kind]()
+    _pin._use_torch()
+    before = _C.pin_counts()
+    out = fastpin.pin_memory(data, arena=arena)
+    assert _C.pin_counts()[:2] == (before[0] + 1, before[1] + 2)
+    assert type(out) is type(data)
+    got = [out.x, out.a] if kind != "ordered_dict" else [out["x"], out["a"]]
+    for o, ref in zip(got, [x, a]):
+        assert_same(o, ref)
+        assert in_arena(o, arena)
