@@ -666,9 +666,21 @@ static void fp_pids_add(fp_pids_t *p, pid_t pid)
         p->pid[p->n++] = pid;
 }
 
-/* The owners of allocated blocks, other than this process, that no longer
- * exist. A zombie still answers kill(): its blocks wait until it is reaped.
- * Under lock. */
+/* Whether `pid` is gone for good: no such process, or a child of this one
+ * that has exited and waits to be reaped (a zombie still answers kill(), but
+ * writes nothing more; DataLoader reaps its workers when it shuts them down,
+ * which may come after the epoch's reclaim). WNOWAIT leaves the child to its
+ * parent's own wait, as DataLoader's own check of its workers does. */
+static int fp_gone(pid_t pid)
+{
+    if (kill(pid, 0) == -1 && errno == ESRCH)
+        return 1;
+    siginfo_t info = {0};
+    return waitid(P_PID, (id_t)pid, &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == pid;
+}
+
+/* The owners of allocated blocks, other than this process, that are gone
+ * (fp_gone). Under lock. */
 static void fp_reclaim_judge(fp_arena_meta_t *m, fp_pids_t *dead)
 {
     fp_pids_t alive = {0};
@@ -678,7 +690,7 @@ static void fp_reclaim_judge(fp_arena_meta_t *m, fp_pids_t *dead)
         if (m->blocks[b].state != FP_BLOCK_USED || owner <= 0 || owner == self ||
             fp_pids_have(dead, owner) || fp_pids_have(&alive, owner))
             continue;
-        if (kill(owner, 0) == -1 && errno == ESRCH)
+        if (fp_gone(owner))
             fp_pids_add(dead, owner);
         else
             fp_pids_add(&alive, owner);

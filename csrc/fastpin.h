@@ -394,8 +394,9 @@ void fp_arena_free(fp_arena_t *arena, uint32_t block, fp_cu_stream_t consumer);
 int fp_arena_collect(fp_arena_t *arena);
 
 /* Frees every allocated block (not freed by its owner) whose owner is another
- * process that no longer exists: kill(pid, 0) fails with ESRCH, so a dead
- * child counts only once it has been reaped. *freed says how many. */
+ * process that no longer exists: kill(pid, 0) fails with ESRCH, or it is a
+ * child of this process that has exited (reaped or not; it is left to be
+ * reaped). *freed says how many. */
 int fp_arena_reclaim(fp_arena_t *arena, uint32_t *freed);
 
 /* Counts one batch that a worker could not place in the arena; any process,

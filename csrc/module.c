@@ -909,7 +909,7 @@ static PyMethodDef Arena_methods[] = {
      "(freed, already adopted, still held, another size)."},
     {"reclaim", (PyCFunction)Arena_reclaim, METH_NOARGS,
      "reclaim() -> int\nFree the blocks held by processes that no longer exist (a child\n"
-     "counts once it has been reaped); returns how many."},
+     "that has exited counts, reaped or not); returns how many."},
     {"count_fallback", (PyCFunction)Arena_count_fallback, METH_NOARGS,
      "Count one batch a worker could not place in the arena (stats()['fallbacks'])."},
     {"prefault", (PyCFunction)Arena_prefault, METH_NOARGS,

@@ -10,6 +10,7 @@ import gc
 import multiprocessing
 import os
 import pickle
+import signal
 import time
 from multiprocessing import reduction
 
@@ -262,6 +263,33 @@ def test_workers_fill_blocks_the_creator_adopts(method):
     arena.collect()
     s = arena.stats()
     assert s["blocks_in_use"] == 0 and s["bytes_in_use"] == 0 and s["reclaimed"] == 0
+    assert arena.is_valid()
+
+
+def _state(pid: int) -> str:
+    """A process's state letter in /proc ("Z": exited, not yet reaped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_killed_worker_blocks_are_reclaimed_before_it_is_reaped():
+    """A dead worker nobody has waited for yet (DataLoader reaps its workers
+    when it shuts them down, which may come after the epoch's reclaim) is a
+    zombie: it still answers kill(), but it writes nothing more."""
+    arena = shared_arena(4 * MiB)
+    sizes = [30_000, 1, 200_000]
+    p, conn = _start("fork", _hold_blocks, Fd(arena.fd), sizes)
+    receive(conn, p)
+    os.kill(p.pid, signal.SIGKILL)  # not p.kill(): nothing here may reap it
+    deadline = time.monotonic() + WAIT
+    while _state(p.pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _state(p.pid) == "Z"
+    assert arena.reclaim() == len(sizes)
+    assert _state(p.pid) == "Z"  # left for its parent's own wait
+    p.join(WAIT)
+    assert p.exitcode == -signal.SIGKILL
+    assert arena.reclaim() == 0 and arena.stats()["blocks_in_use"] == 0
     assert arena.is_valid()
 
 
