@@ -276,6 +276,10 @@ class _Producer:
         # long as the source likes (a slow dataset, a worker that hangs), so a
         # closing epoch does not wait for it (see shutdown).
         self.in_source = False
+        # Set (under `ending`) once the thread has run mode.end(): a shutdown
+        # that ends the workers after that runs it again (see shutdown).
+        self.ended = False
+        self.ending = threading.Lock()
         source = owner._source  # zero-copy: the Loader's view of the DataLoader
         if previous is not None and (previous.source is source or previous.source is
                                      getattr(source, "_iterator", None)):
@@ -340,8 +344,10 @@ class _Producer:
             self.source = source = None
             if self.stop.is_set():
                 self.drain()  # what a stopped epoch queued goes, never to nobody
-            if not process.exiting:
-                mode.end()
+            with self.ending:
+                self.ended = True
+                if not process.exiting:
+                    mode.end()
 
     def put(self, item) -> None:
         """Queue `item` for the consumer; once the epoch is stopped, drop it."""
@@ -392,6 +398,12 @@ class _Producer:
             # Inside next(source), or past the grace in prepare: the workers go
             # now either way, as they would with the DataLoader alone.
             _shutdown_workers(source)
+            with self.ending:
+                if self.ended and not process.exiting:
+                    # The thread left (a batch came) and ended while the
+                    # workers still ran: what they shipped and nobody read is
+                    # theirs, and they are gone only now.
+                    self.mode.end()
         self.drain()
         if not self.thread.is_alive():
             self.mode.forget()

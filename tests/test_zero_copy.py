@@ -4,6 +4,7 @@ with no GPU, so everything but the DMA is tested here."""
 import gc
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -77,6 +78,28 @@ def blocks_settle(arena, timeout=10):
     return arena.stats()["blocks_in_use"]
 
 
+def holders(arena) -> str:
+    """For a failure's message: who holds the blocks still in use (index, owner
+    pid or 0 once adopted, that process's state), how many reclaim() frees
+    then, and the threads still running."""
+    owners = []
+    for i in range(arena.stats()["max_blocks"]):
+        try:
+            pid = arena.owner(i)
+        except ValueError:
+            continue  # not allocated
+        state = "-"
+        if pid:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                state = "gone"
+        owners.append((i, pid, state))
+    return (f"blocks in use (index, owner, state): {owners}; reclaim() frees {arena.reclaim()}; "
+            f"threads {[t.name for t in threading.enumerate()]}")
+
+
 @pytest.mark.parametrize("method", START_METHODS)
 @pytest.mark.parametrize("persistent", [False, True])
 def test_workers_write_into_the_shared_arena(method, persistent):
@@ -145,7 +168,29 @@ def test_break_and_reiterate_leave_no_blocks():
             break
     del batch
     check(list(loader), loader.arena, 96)
-    assert blocks_settle(loader.arena) == 0
+    assert blocks_settle(loader.arena) == 0, holders(loader.arena)
+
+
+class SlowImages(Images):
+    """Images that take a while each: a break finds the Loader's thread
+    waiting inside the DataLoader, and the workers still collating."""
+
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_break_without_another_epoch_leaves_no_blocks(attempt):
+    """The batches the workers had shipped when the epoch broke come back once
+    the workers are gone, with no further epoch to reclaim them."""
+    dl = DataLoader(SlowImages(), batch_size=4, num_workers=2)
+    loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=4 * MB)
+    for k, batch in enumerate(loader):
+        if k == 2:
+            break
+    del batch
+    assert blocks_settle(loader.arena) == 0, holders(loader.arena)
 
 
 def test_killed_worker_raises_and_leaks_nothing():
@@ -155,7 +200,7 @@ def test_killed_worker_raises_and_leaks_nothing():
     with pytest.raises(RuntimeError, match="worker"):
         for batch in loader:
             del batch  # hold nothing: what stays in use must be a leak
-    assert blocks_settle(arena) == 0
+    assert blocks_settle(arena) == 0, holders(arena)
     assert arena.is_valid()
 
 
