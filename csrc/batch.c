@@ -42,21 +42,30 @@ typedef struct {
     size_t ndims, cap;
 } fp_batch_t;
 
+/* `items` (an array of *cap entries of `size` bytes) grown to hold `need`:
+ * the capacity doubled from `first` until it does. The new array, or NULL
+ * with MemoryError (items and *cap unchanged). */
+static void *fp_grow(void *items, size_t *cap, size_t need, size_t size, size_t first)
+{
+    size_t n = *cap ? *cap : first;
+    while (n < need)
+        n *= 2;
+    void *grown = n > SIZE_MAX / size ? NULL : PyMem_Realloc(items, n * size);
+    if (!grown)
+        return PyErr_NoMemory();
+    *cap = n;
+    return grown;
+}
+
 /* Room for `n` more entries in the dims pool; -1 with MemoryError. */
 static int fp_dims_reserve(fp_batch_t *b, size_t n)
 {
     if (b->ndims + n <= b->cap)
         return 0;
-    size_t cap = b->cap ? b->cap : 64;
-    while (cap < b->ndims + n)
-        cap *= 2;
-    int64_t *dims = PyMem_Realloc(b->dims, cap * sizeof *dims);
-    if (!dims) {
-        PyErr_NoMemory();
+    int64_t *dims = fp_grow(b->dims, &b->cap, b->ndims + n, sizeof *dims, 64);
+    if (!dims)
         return -1;
-    }
     b->dims = dims;
-    b->cap = cap;
     return 0;
 }
 
@@ -422,28 +431,21 @@ typedef struct {
 static int fp_tree_push(fp_tree_t *t, int kind, Py_ssize_t n, PyObject *obj)
 {
     if (t->count == t->cap) {
-        size_t cap = t->cap ? 2 * t->cap : 16;
-        fp_node_t *nodes = PyMem_Realloc(t->nodes, cap * sizeof *nodes);
+        fp_node_t *nodes = fp_grow(t->nodes, &t->cap, t->count + 1, sizeof *nodes, 16);
         if (!nodes)
-            goto nomem;
+            return -1;
         t->nodes = nodes;
-        t->cap = cap;
     }
     if (kind == FP_NODE_LEAF && t->nleaves == t->leaves_cap) {
-        size_t cap = t->leaves_cap ? 2 * t->leaves_cap : 8;
-        PyObject **leaves = PyMem_Realloc(t->leaves, cap * sizeof *leaves);
+        PyObject **leaves = fp_grow(t->leaves, &t->leaves_cap, t->nleaves + 1, sizeof *leaves, 8);
         if (!leaves)
-            goto nomem;
+            return -1;
         t->leaves = leaves;
-        t->leaves_cap = cap;
     }
     t->nodes[t->count++] = (fp_node_t){kind, n, Py_XNewRef(obj)};
     if (kind == FP_NODE_LEAF)
         t->leaves[t->nleaves++] = obj;
     return 0;
-nomem:
-    PyErr_NoMemory();
-    return -1;
 }
 
 static void fp_tree_free(fp_tree_t *t)
