@@ -137,21 +137,17 @@ def _current_device() -> int:
     device = settings.device
     if device is not None:
         return device
-    device = _context_device()
+    # The device whose context is current in this thread (-1: none is). That
+    # is torch's current device (its set_device makes it current, and
+    # DataLoader's pin thread calls it first): one driver call, where torch's
+    # own current_device() costs microseconds.
+    device = _C.current_device()
     if device >= 0:
         return device
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.current_device()
     return 0
-
-
-def _context_device() -> int:
-    """The device whose context is current in this thread, -1 where none is.
-    That is torch's current device (its set_device makes it current, and
-    DataLoader's pin thread calls it first): one driver call, where torch's
-    own current_device() costs microseconds."""
-    return _C.current_device()
 
 
 def device_index(device: Any = None) -> int:
@@ -173,7 +169,7 @@ def device_index(device: Any = None) -> int:
         if ordinal:
             index = int(ordinal)
         else:
-            index = _context_device()
+            index = _C.current_device()  # as in _current_device
             if index < 0:
                 torch = sys.modules.get("torch")
                 index = (torch.cuda.current_device() if torch is not None
@@ -245,7 +241,7 @@ def made_default_arena(device: Any = None) -> Optional[_C.Arena]:
     """The default arena of `device` if this process has made it, else None:
     unlike default_arena(), it makes (and page-locks) nothing."""
     if device is None and settings.device is None:
-        index = _context_device()  # pin_memory's common case: one driver call
+        index = _C.current_device()  # pin_memory's common case: one driver call
         if index >= 0:
             return _arenas.get(index)
     return _arenas.get(device_index(device))
