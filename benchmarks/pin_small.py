@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import statistics
 import time
 
 import torch
 
 import fastpin
+from fastpin.bench import procfs
+from fastpin.bench.micro import interleaved
 
 
-def median_us(fn, calls: int) -> float:
+def median_us(fn, calls: int = 2000) -> float:
+    """Median us of fn() over `calls` calls, after a warm-up."""
     for _ in range(min(200, calls)):
         fn()
     times = []
@@ -33,35 +35,11 @@ def median_us(fn, calls: int) -> float:
     return statistics.median(times) / 1e3
 
 
-def interleaved_medians(fns: dict, calls: int, turns: int = 5) -> dict:
-    """Median us of each fn over `calls` calls, timed in `turns` turns that go
-    round every fn: a machine whose speed drifts moves them all alike (the
-    per-leaf figure is a difference of two of them)."""
-    times: dict = {name: [] for name in fns}
-    for fn in fns.values():
-        for _ in range(min(200, calls)):
-            fn()
-    for _ in range(turns):
-        for name, fn in fns.items():
-            out = times[name]
-            for _ in range(calls // turns):
-                t0 = time.perf_counter_ns()
-                fn()
-                out.append(time.perf_counter_ns() - t0)
-    return {name: statistics.median(t) / 1e3 for name, t in times.items()}
-
-
 def thread_cpu_ns() -> collections.Counter:
     """CPU nanoseconds so far of every thread of this process, by thread name."""
     out: collections.Counter = collections.Counter()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                out[name] += int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # a thread that just ended
+    for thread in procfs.threads().values():
+        out[thread.name] += thread.run_ns
     return out
 
 
@@ -103,7 +81,8 @@ def main() -> None:
     for name, batch in cases:
         fns[("copy", name)] = lambda batch=batch: copy_batch(batch)
         fns[("fastpin", name)] = lambda batch=batch: fastpin.pin_memory(batch)
-    us = interleaved_medians(fns, args.calls)
+    times = interleaved(fns, calls=args.calls, warmup=min(200, args.calls))
+    us = {name: statistics.median(t) * 1e6 for name, t in times.items()}
     for name, _ in cases:
         base, fast = us[("copy", name)], us[("fastpin", name)]
         print(f"{name:<20} {base:9.2f} {fast:11.2f} {fast / base:7.2f}x")

@@ -30,6 +30,7 @@ from torch.utils.data import dataloader as dl_mod
 
 import fastpin
 from fastpin import _loader, _modes, _zerocopy, bench
+from fastpin.bench import procfs
 
 _MAX_WORKERS = 64
 _FIELDS = ("batches", "fetch_s", "collate_s", "pack_s", "minflt", "between_s")
@@ -133,21 +134,8 @@ def _install_timers():
 
 def _thread_cpu() -> dict:
     """{tid: (name, cpu seconds)} for every thread of this process."""
-    ticks = os.sysconf("SC_CLK_TCK")
     names = {t.native_id: t.name for t in threading.enumerate()}
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                comm = f.read().strip()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        tid_i = int(tid)
-        out[tid_i] = (names.get(tid_i, comm), (int(fields[11]) + int(fields[12])) / ticks)
-    return out
+    return {tid: (names.get(tid, t.name), t.cpu_s) for tid, t in procfs.threads().items()}
 
 
 class _Sampler(threading.Thread):

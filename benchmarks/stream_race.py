@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 import fastpin
 from fastpin import _C
+from pin_small import median_us  # beside this file: python puts its folder first on sys.path
 
 MB = 1 << 20
 
@@ -58,15 +57,6 @@ def race(pin, reps, nbytes=4 * MB):
         corrupt += not torch.equal(y.cpu(), first)
         del again, y
     return corrupt
-
-
-def median_us(fn, reps=2000):
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append(time.perf_counter_ns() - t0)
-    return statistics.median(samples) / 1e3
 
 
 def free_cost(arena):
@@ -105,7 +95,7 @@ def main():
     # is the pin plus the time a fence takes to complete on an idle GPU.
     one = _C.Arena(64 * 1024)
     result["pin_free_64k_one_block_us"] = median_us(lambda: fastpin.pin_memory(small, arena=one),
-                                                    reps=500)
+                                                    calls=500)
     result["torch_copy_64k_us"] = median_us(lambda: torch.empty_like(small).copy_(small))
     for key, value in result.items():
         print(f"{key:>20}: {value:.2f}" if isinstance(value, float) else f"{key:>20}: {value}")

@@ -49,6 +49,7 @@ from torch.utils.data import dataloader as dl_mod
 
 import fastpin
 from fastpin import _loader, _zerocopy
+from fastpin.bench import procfs
 
 
 # ---- the cases ---------------------------------------------------------------
@@ -117,36 +118,6 @@ CASES = {
 
 # ---- per-thread CPU ------------------------------------------------------------
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _read_task(tid: int):
-    """(run ns, utime+stime s, minor faults, times scheduled, comm) of one thread,
-    or None if gone."""
-    base = f"/proc/self/task/{tid}"
-    try:
-        with open(f"{base}/stat") as f:
-            stat = f.read()
-        with open(f"{base}/schedstat") as f:
-            run = f.read().split()
-        run_ns, slices = int(run[0]), int(run[2])
-    except (OSError, ValueError, IndexError):
-        return None
-    comm = stat[stat.index("(") + 1:stat.rindex(")")]
-    fields = stat[stat.rindex(")") + 2:].split()
-    # fields[0] is stat's field 3 (state): minflt is field 10, utime 14, stime 15.
-    return run_ns, (int(fields[11]) + int(fields[12])) / _TICK, int(fields[7]), slices, comm
-
-
-def _snapshot() -> dict:
-    out = {}
-    for name in os.listdir("/proc/self/task"):
-        task = _read_task(int(name))
-        if task is not None:
-            out[int(name)] = task
-    return out
-
-
 def _group(tid: int, comm: str, python_names: dict) -> str:
     name = python_names.get(tid)
     if name is None:
@@ -167,13 +138,13 @@ def _per_group(before: dict, after: dict, python_names: dict) -> tuple:
     at the end, and how many threads alive at the start were gone by then
     (their time is lost)."""
     groups: dict = {}
-    for tid, (run_ns, ticks, minflt, slices, comm) in after.items():
-        start = before.get(tid, (0, 0.0, 0, 0, comm))
-        g = groups.setdefault(_group(tid, comm, python_names), [0.0, 0.0, 0, 0])
-        g[0] += (run_ns - start[0]) / 1e9
-        g[1] += ticks - start[1]
-        g[2] += minflt - start[2]
-        g[3] += slices - start[3]
+    for tid, now in after.items():
+        start = before.get(tid, procfs.Thread(now.name, 0, 0.0, 0, 0))
+        g = groups.setdefault(_group(tid, now.name, python_names), [0.0, 0.0, 0, 0])
+        g[0] += (now.run_ns - start.run_ns) / 1e9
+        g[1] += now.cpu_s - start.cpu_s
+        g[2] += now.minflt - start.minflt
+        g[3] += now.slices - start.slices
     return groups, sum(1 for tid in before if tid not in after)
 
 
@@ -238,19 +209,19 @@ def epoch(case: str, device, workers: int, batches: int, warmup: int,
     tail = 2 + 2 * workers   # batches left after the second reading
     dl = DataLoader(make(batch_size * (warmup + batches + tail)), batch_size=batch_size,
                     num_workers=workers, pin_memory=pin_memory)
-    start = _snapshot()
+    start = procfs.threads()
     loader = fastpin.Loader(dl, device=device, zero_copy=True)
     it = iter(loader)
     for _ in range(warmup):
         next(it)
     TIMED.take()
-    proc0, before = time.process_time(), _snapshot()
+    proc0, before = time.process_time(), procfs.threads()
     t0 = time.perf_counter()
     for _ in range(batches):
         next(it)
     wall = time.perf_counter() - t0
     python_names = {t.native_id: t.name for t in threading.enumerate()}
-    after, proc = _snapshot(), time.process_time() - proc0
+    after, proc = procfs.threads(), time.process_time() - proc0
     timed = TIMED.take()
     for _ in it:
         pass

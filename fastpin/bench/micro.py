@@ -4,9 +4,10 @@ delivered throughput over in-memory images (loader_table); each with its
 Markdown formatter. Each reports a step to `reporter` as it finishes a stage."""
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from typing import Optional
+from typing import Callable, ContextManager, Optional
 
 import fastpin
 from fastpin import _C
@@ -33,22 +34,32 @@ def _patterned(nbytes: int) -> torch.Tensor:
 _ROUNDS = 5
 
 
-def _time_cells(cells: dict, nbytes: int, min_seconds: float, min_iters: int) -> dict:
-    """Median GB/s of each cell's fn() (name -> (fn, torch threads)), over at
-    least min_iters calls and min_seconds each, in _ROUNDS interleaved turns."""
-    times: dict = {name: [] for name in cells}
+def interleaved(fns: dict, *, calls: int = 1, seconds: float = 0.0, warmup: int = 3,
+                around: Optional[Callable[[str], ContextManager]] = None) -> dict:
+    """The seconds of each call of each fn (name -> fn): at least `calls` calls
+    and `seconds` of calls each, timed in _ROUNDS turns that go round every fn.
+    `warmup` untimed calls open an fn's first turn, one each later turn; each
+    turn of an fn runs inside around(name) where given."""
+    times: dict = {name: [] for name in fns}
     for turn in range(1, _ROUNDS + 1):
-        for name, (fn, threads) in cells.items():
-            calls = times[name]
-            with _Threads(threads):
-                for _ in range(3 if turn == 1 else 1):
+        for name, fn in fns.items():
+            out = times[name]
+            with around(name) if around is not None else contextlib.nullcontext():
+                for _ in range(warmup if turn == 1 else 1):
                     fn()
                 start = time.perf_counter()
-                while (len(calls) * _ROUNDS < min_iters * turn
-                       or time.perf_counter() - start < min_seconds / _ROUNDS):
+                while (len(out) * _ROUNDS < calls * turn
+                       or time.perf_counter() - start < seconds / _ROUNDS):
                     t0 = time.perf_counter()
                     fn()
-                    calls.append(time.perf_counter() - t0)
+                    out.append(time.perf_counter() - t0)
+    return times
+
+
+def _time_cells(cells: dict, nbytes: int, min_seconds: float, min_iters: int) -> dict:
+    """Median GB/s of each cell's fn() (name -> (fn, torch threads))."""
+    times = interleaved({name: fn for name, (fn, _) in cells.items()}, calls=min_iters,
+                        seconds=min_seconds, around=lambda name: _Threads(cells[name][1]))
     return {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
 
 

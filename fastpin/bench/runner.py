@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import os
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -16,6 +15,7 @@ from fastpin._walk import nbytes as batch_nbytes
 from ._optional import torch
 from .host import MB, machine
 from .paths import PATHS, PathRun, PathSkipped, gpu_usable, target_of, why_not
+from .procfs import children_cpu
 from .progress import Progress, reporter_for
 from .results import Results, Row, few_warning, too_few
 
@@ -27,37 +27,6 @@ MIN_TIMED = 5  # batches a path times at least, whatever its time budget
 def out_of_time(t0: float, n: int, max_seconds: Optional[float]) -> bool:
     """A path's time budget is spent (it always times a few batches first)."""
     return bool(max_seconds) and n >= MIN_TIMED and time.perf_counter() - t0 >= max_seconds
-
-
-def children_cpu(since: Optional[dict] = None):
-    """CPU seconds of this process's live child processes (DataLoader workers):
-    with `since` (an earlier call's result), the seconds they used after it, a
-    child that started later counted from zero; without, {pid: seconds} now.
-    Read from /proc; children that ended in between are not counted (their
-    epoch outlives the timed window, so none of the workers' do)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    now: dict = {}
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return 0.0 if since is not None else now
-    pids: set = set()
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/children") as f:
-                pids.update(int(p) for p in f.read().split())
-        except OSError:
-            continue
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        now[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-    if since is None:
-        return now
-    return sum(seconds - since.get(pid, 0.0) for pid, seconds in now.items())
 
 
 _cycles_per_ms: dict = {}
