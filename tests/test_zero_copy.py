@@ -160,13 +160,18 @@ def test_full_arena_falls_back_to_the_ordinary_path(caplog):
     assert f"capacity={_C.block_size(batch_bytes) * (8 + 4 + 6)} " in advice[0]
 
 
-def test_break_and_reiterate_leave_no_blocks():
-    dl = DataLoader(Images(), batch_size=8, num_workers=2)
+def broken_epoch(dataset, batch_size: int) -> fastpin.Loader:
+    """A zero-copy Loader over `dataset` whose first epoch broke after 3 batches."""
+    dl = DataLoader(dataset, batch_size=batch_size, num_workers=2)
     loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=4 * MB)
-    for k, batch in enumerate(loader):
+    for k, _ in enumerate(loader):
         if k == 2:
             break
-    del batch
+    return loader
+
+
+def test_break_and_reiterate_leave_no_blocks():
+    loader = broken_epoch(Images(), batch_size=8)
     check(list(loader), loader.arena, 96)
     assert blocks_settle(loader.arena) == 0, holders(loader.arena)
 
@@ -184,12 +189,7 @@ class SlowImages(Images):
 def test_a_break_without_another_epoch_leaves_no_blocks(attempt):
     """The batches the workers had shipped when the epoch broke come back once
     the workers are gone, with no further epoch to reclaim them."""
-    dl = DataLoader(SlowImages(), batch_size=4, num_workers=2)
-    loader = fastpin.Loader(dl, device=None, zero_copy=True, capacity=4 * MB)
-    for k, batch in enumerate(loader):
-        if k == 2:
-            break
-    del batch
+    loader = broken_epoch(SlowImages(), batch_size=4)
     assert blocks_settle(loader.arena) == 0, holders(loader.arena)
 
 
