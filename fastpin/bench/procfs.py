@@ -29,13 +29,13 @@ def threads() -> dict:
                 stat = f.read()
             with open(f"{base}/schedstat") as f:
                 run = f.read().split()
-        except OSError:
-            continue
-        # fields[0] is stat's field 3 (state): minflt is field 10, utime 14, stime 15.
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(tid)] = Thread(stat[stat.index("(") + 1:stat.rindex(")")], int(run[0]),
-                               (int(fields[11]) + int(fields[12])) / _TICK, int(fields[7]),
-                               int(run[2]))
+            # fields[0] is stat's field 3 (state): minflt is field 10, utime 14, stime 15.
+            fields = stat[stat.rindex(")") + 2:].split()
+            out[int(tid)] = Thread(stat[stat.index("(") + 1:stat.rindex(")")], int(run[0]),
+                                   (int(fields[11]) + int(fields[12])) / _TICK, int(fields[7]),
+                                   int(run[2]))
+        except (OSError, ValueError, IndexError):
+            continue  # ended while read: its files empty or gone
     return out
 
 
