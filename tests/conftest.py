@@ -159,6 +159,16 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def process_state(pid: int) -> str:
+    """A process's state letter in /proc ("Z": exited, not yet reaped), or
+    "gone" where there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 def settle():
     """Collect garbage so dropped blocks go back to their arenas (blocks held
     by reference cycles, or by a traceback an exception left behind)."""

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from fastpin import _C
-from conftest import gpu
+from conftest import gpu, process_state
 
 MiB = 1 << 20
 START_METHODS = ["fork", "spawn", "forkserver"]
@@ -266,12 +266,6 @@ def test_workers_fill_blocks_the_creator_adopts(method):
     assert arena.is_valid()
 
 
-def _state(pid: int) -> str:
-    """A process's state letter in /proc ("Z": exited, not yet reaped)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
 def test_killed_worker_blocks_are_reclaimed_before_it_is_reaped():
     """A dead worker nobody has waited for yet (DataLoader reaps its workers
     when it shuts them down, which may come after the epoch's reclaim) is a
@@ -282,11 +276,11 @@ def test_killed_worker_blocks_are_reclaimed_before_it_is_reaped():
     receive(conn, p)
     os.kill(p.pid, signal.SIGKILL)  # not p.kill(): nothing here may reap it
     deadline = time.monotonic() + WAIT
-    while _state(p.pid) != "Z" and time.monotonic() < deadline:
+    while process_state(p.pid) != "Z" and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _state(p.pid) == "Z"
+    assert process_state(p.pid) == "Z"
     assert arena.reclaim() == len(sizes)
-    assert _state(p.pid) == "Z"  # left for its parent's own wait
+    assert process_state(p.pid) == "Z"  # left for its parent's own wait
     p.join(WAIT)
     assert p.exitcode == -signal.SIGKILL
     assert arena.reclaim() == 0 and arena.stats()["blocks_in_use"] == 0

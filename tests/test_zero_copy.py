@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 import fastpin
+from conftest import process_state
 from fastpin import _C
 
 MB = 1 << 20
@@ -88,14 +89,7 @@ def holders(arena) -> str:
             pid = arena.owner(i)
         except ValueError:
             continue  # not allocated
-        state = "-"
-        if pid:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                state = "gone"
-        owners.append((i, pid, state))
+        owners.append((i, pid, process_state(pid) if pid else "-"))
     return (f"blocks in use (index, owner, state): {owners}; reclaim() frees {arena.reclaim()}; "
             f"threads {[t.name for t in threading.enumerate()]}")
 
