@@ -16,7 +16,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTHONS ?=
 export FASTPIN_WERROR ?= 1
 
-.PHONY: help bench test test-c test-py test-pythons install clean
+.PHONY: help bench test test-c test-py test-pythons notebook install clean
 
 help:
 	@echo "make bench         venv in $(VENV) + install, then python -m fastpin.bench (BENCH_ARGS=--quick: short)"
@@ -25,6 +25,7 @@ help:
 	@echo "make test-py       pytest against fastpin installed into $(VENV) (PYTEST_ARGS=...)"
 	@echo "make test-pythons  each Python 3.10-3.13 found (PYTHONS=...): fastpin built into a"
 	@echo "                   venv without torch (.venv-py3.X), and the tests that need no torch"
+	@echo "make notebook      examples/compare_throughput.ipynb run headless in $(VENV), to out/"
 	@echo "make install       only the venv and fastpin in it"
 	@echo "make clean         remove the venvs, build outputs and the C tests' builds"
 	@echo "Variables: PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC=\"$(TORCH_SPEC)\" FASTPIN_WERROR=$(FASTPIN_WERROR)"
@@ -55,6 +56,13 @@ test-py: install
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 test: test-c test-py
+
+# The venv's kernel (jupyter prefers a venv's own kernelspecs) starts in examples/;
+# the executed copy goes to out/ (ignored), the JSON and plot to the notebook's
+# OUT_DIR (the system temp dir). --output is relative to the notebook's folder.
+notebook: install
+	mkdir -p out
+	$(VENV)/bin/jupyter-execute --output=../out/compare_throughput.ipynb examples/compare_throughput.ipynb
 
 test-pythons:
 	bash .ci/test-pythons $(PYTHONS)
