@@ -55,6 +55,50 @@ def test_device_bogus_is_a_usage_error(capsys):
     assert "argument --device: 'bogus' is not a device" in err and "Traceback" not in err
 
 
+# ---- numbers and files: a usage error, never a traceback or a silent run ----------
+
+# (option, a value it must refuse). Bugs: --sizes 0 ended in a ZeroDivisionError
+# traceback, --from-json of a missing file in a FileNotFoundError one, and --batches -5,
+# --max-seconds -1 (and the others below) were taken as given. --list follows each, so
+# a value taken as given ends the call at once, with status 0.
+REFUSED = [
+    ("--sizes", "0"), ("--sizes", "1e-9"), ("--seconds", "-1"), ("--batches", "-5"),
+    ("--batches", "0"), ("--warmup", "-1"), ("--max-seconds", "-1"),
+    ("--max-seconds", "nan"), ("--compute-ms", "-2"), ("--compute-ms", "inf"),
+    ("--hang-report", "-3"), ("--workers", "-1"), ("--from-json", "no-such-run.json"),
+]
+
+
+@pytest.mark.parametrize("option,value", REFUSED, ids=[f"{o}={v}" for o, v in REFUSED])
+def test_bad_numbers_and_missing_files_are_usage_errors(option, value, capsys, tmp_path,
+                                                        monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        bench.main([option, value, "--list"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {option}: " in err and "Traceback" not in err
+    assert repr(value) in err
+
+
+def test_from_json_that_is_not_json_is_a_usage_error(capsys, tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text("not json {")
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--from-json", str(path)])
+    assert exc.value.code == 2
+    assert f"error: argument --from-json: {str(path)!r}" in capsys.readouterr().err
+
+
+def test_the_bounds_themselves_are_taken():
+    args = bench._parser().parse_args(
+        ["--sizes", "0.0625", "--seconds", "0", "--batches", "1", "--warmup", "0",
+         "--max-seconds", "0", "--compute-ms", "0", "--hang-report", "0", "--workers", "0", "2"])
+    assert (args.sizes, args.seconds, args.batches, args.warmup) == ([0.0625], 0.0, 1, 0)
+    assert (args.max_seconds, args.compute_ms, args.hang_report, args.workers) == \
+        (0.0, 0.0, 0.0, [0, 2])
+
+
 # ---- --list -----------------------------------------------------------------------
 
 def test_list_describes_every_case(capsys):
@@ -127,6 +171,17 @@ def test_enough_batches_carry_no_warning():
     assert "warning: pageable .to() timed only 3 batches" in res.markdown()
     long = bench.Row("pageable", batches=3, gbps=1.0, step_ms=400.0)
     assert not bench._too_few(long)
+
+
+def test_table_says_why_a_row_failed():
+    # Bug: table() printed a bare "failed" row; why ("ran out during warm-up") showed
+    # only in print(results).
+    res = bench.compare(eight_batches, paths=["pageable", "loader_host"], batches=1, warmup=20,
+                        device=None, progress=False)
+    table = res.table()
+    for row in res.rows:
+        assert row.status == "failed" and "warm-up" in row.reason
+        assert f"| {row.label} | | failed: the loader ran out during warm-up" in table
 
 
 # ---- the README -----------------------------------------------------------------------
