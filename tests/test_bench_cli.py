@@ -6,7 +6,11 @@ No timing thresholds: only what the output says."""
 from __future__ import annotations
 
 import inspect
+import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,8 @@ import fastpin
 from fastpin import bench
 from conftest import patterned
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 no_gpu = pytest.mark.skipif(fastpin.cuda_available(), reason="checks the machine without a GPU")
 
 
@@ -215,3 +220,53 @@ def test_readme_gives_compare_its_whole_signature(readme):
     for name, p in inspect.signature(bench.compare).parameters.items():
         text = name if p.default is inspect.Parameter.empty else f"{name}={p.default!r}"
         assert text in documented, text
+
+
+# ---- make bench -------------------------------------------------------------------------
+
+def bench_recipe(bench_args: str) -> str:
+    """The command `make bench BENCH_ARGS=...` runs, as `make -n` prints it, with this
+    interpreter's venv for the Makefile's."""
+    if not (ROOT / "Makefile").exists() or shutil.which("make") is None:
+        pytest.skip("no Makefile next to tests/, or no make")
+    r = subprocess.run(["make", "-s", "-n", "bench", f"VENV={sys.prefix}", f"PY={sys.executable}",
+                        f"BENCH_ARGS={bench_args}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    [line] = [ln for ln in r.stdout.splitlines() if "fastpin.bench" in ln]
+    return line
+
+
+def test_make_bench_paths_are_relative_to_where_make_ran(tmp_path):
+    # Bug: the recipe ran `cd $(VENV) && bin/python -m fastpin.bench`, so
+    # BENCH_ARGS="--json run.json --plot run.png" wrote both into .venv/, and make
+    # clean deleted them. The same command line, run in another directory: it reads
+    # run.json from there, and imports the installed fastpin, not a fastpin/ there.
+    line = bench_recipe("--from-json run.json")
+    assert not line.startswith("cd "), line
+    (tmp_path / "fastpin").mkdir()
+    (tmp_path / "fastpin" / "__init__.py").write_text("raise ImportError('the source tree')\n")
+    saved = {"machine": bench.machine(), "command": "python -m fastpin.bench --case tokens",
+             "order": [], "cases": [], "not_run_cases": {"tokens": "skipped: a pattern 7"}}
+    (tmp_path / "run.json").write_text(json.dumps(saved))
+    r = subprocess.run(line, shell=True, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "`python -m fastpin.bench --case tokens`" in r.stdout
+    assert "- tokens: skipped: a pattern 7" in r.stdout
+
+
+def test_make_help_names_every_variable():
+    # Bug: make help's variables left out BENCH_ARGS, PYTEST_ARGS and PYTHONS.
+    if not (ROOT / "Makefile").exists() or shutil.which("make") is None:
+        pytest.skip("no Makefile next to tests/, or no make")
+    makefile = (ROOT / "Makefile").read_text()
+    given = set(re.findall(r"^(?:export )?([A-Z_]+) \?=", makefile, re.M))
+    assigned = set(re.findall(r"^(?:export )?([A-Z_]+) :?\??=", makefile, re.M))
+    read = set(re.findall(r"\$\(([A-Z_]+)\)", makefile)) - assigned - {"MAKE"}
+    assert {"BENCH_ARGS", "PYTEST_ARGS"} <= read and "PYTHONS" in given
+    out = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60).stdout
+    variables = out[out.index("Variables:"):]
+    missing = [v for v in sorted(given | read) if f"{v}=" not in variables]
+    assert not missing, missing
