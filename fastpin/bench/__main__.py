@@ -84,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batches", type=_number(int, 1),
                         help="batches timed per path (default: each case's own, fewer without "
                              "a GPU; loader_images: 300, or 10 without a GPU)")
-    parser.add_argument("--warmup", type=_number(int, 0), help="batches before timing starts (default: 3)")
+    parser.add_argument("--warmup", type=_number(int, 0),
+                        help="batches before timing starts (default: 3)")
     parser.add_argument("--max-seconds", type=_number(float, 0), default=3.0,
                         help="time budget of each path: it stops timing after this many "
                              "seconds (at least 5 batches) even short of --batches, so the "
