@@ -151,6 +151,22 @@ def test_sizes_are_mib_and_labelled_so():
     assert "MiB batches" in text and "pinned MiB held" in text and not re.search(r"\bMB\b", text)
 
 
+def test_pin_table_says_too_short_instead_of_zero_gbps():
+    # Bug: torch's 2-thread memcpy of 64 KiB on a loaded 2-core machine showed 0.0 GB/s:
+    # each call (8 ms against 2 us on one thread) timed a thread waiting for a core.
+    pins = {"gpu": False, "torch_threads": 2, "fastpin_threads": 2,
+            "rows": [{"size_mb": 0.0625, "memcpy_1": 31.6, "memcpy_n": 0.0082,
+                      "memcpy_pool": 12.5, "fastpin": 9.75},
+                     {"size_mb": 16, "memcpy_1": 7.25, "memcpy_n": 11.5, "memcpy_pool": 13.0,
+                      "fastpin": 12.0}]}
+    text = bench.format_pin_table(pins)
+    assert "| 0.0 |" not in text
+    assert "| 0.0625 MiB | 31.6 | too short* | 12.5 | n/a | n/a | 9.8 | 0.78x | n/a |" in text
+    assert "| 16 MiB | 7.2 | 11.5 | 13.0 |" in text
+    [note] = [ln for ln in text.splitlines() if ln.startswith("* too short")]
+    assert "0.0082 GB/s" not in note and "--json" in note
+
+
 # ---- a short loader -----------------------------------------------------------------
 
 def test_a_short_loader_says_how_many_batches_each_path_timed():
