@@ -86,6 +86,19 @@ def test_bad_numbers_and_missing_files_are_usage_errors(option, value, capsys, t
     assert repr(value) in err
 
 
+@pytest.mark.parametrize("option,value", [("--steps", "0"), ("--warmup", "-1"),
+                                          ("--workers", "-2")])
+def test_bench_train_bad_numbers_are_usage_errors(option, value, capsys):
+    # Bug: python -m fastpin.bench.train took --steps 0 (its figure divides by the time
+    # of no steps), --warmup -1 and --workers -2 as given.
+    from fastpin.bench import train
+
+    with pytest.raises(SystemExit) as exc:
+        train.main([option, value])
+    assert exc.value.code == 2
+    assert f"error: argument {option}: {value!r}" in capsys.readouterr().err
+
+
 def test_from_json_that_is_not_json_is_a_usage_error(capsys, tmp_path):
     path = tmp_path / "run.json"
     path.write_text("not json {")
@@ -220,6 +233,33 @@ def test_readme_lists_every_option(readme):
                if o.startswith("--") and o != "--help"]
     missing = [o for o in options if f"`{o}" not in readme]
     assert not missing, missing
+
+
+def test_readme_case_table_matches_the_list(readme):
+    # Bug: the case table left out train_model.
+    table = readme[readme.index("| case | batches |"):]
+    table = table[:table.index("\n\n")]
+    named = [n for ln in table.splitlines()[2:] for n in re.findall(r"`(\w+)`", ln.split("|")[1])]
+    assert sorted(named) == sorted(bench.CASE_NAMES)
+
+
+@pytest.mark.parametrize("cpus,workloads,images,train", [
+    (2, [1], [1], [1]), (4, [3], [3], [3]), (16, [15], [8, 15], [8, 15]),
+    (64, [63], [8, 63], [8, 15])])
+def test_workers_default_is_what_readme_and_help_say(cpus, workloads, images, train,
+                                                     monkeypatch, readme):
+    # Bug: the README and --help said loader_images runs "8 and" one per core but one
+    # workers; on 2 cores it runs 1.
+    from fastpin.bench import __main__ as cli
+
+    monkeypatch.setattr(cli._C, "cpu_count", lambda: cpus)
+    plan = cli._plan(cli._parser().parse_args([]))
+    assert (plan.workers, plan.loader_workers, plan.train_workers) == (workloads, images, train)
+    said = ("one per core but one, N (`loader_images`: N, and 8 too where N > 8: `[1]` on 2 "
+            "cores, `[8, 15]` on 16; `train_model`: the same, N at most 15)")
+    assert said in " ".join(readme.split()) and "8 and that" not in readme
+    [action] = [a for a in cli._parser()._actions if "--workers" in a.option_strings]
+    assert "8 and one per core" not in action.help and "N > 8" in action.help
 
 
 def test_readme_lists_every_path_name(readme):

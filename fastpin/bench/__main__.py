@@ -79,8 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--path", action="append", choices=tuple(PATHS),
                         help="a path to run in the workload cases (repeatable; default: all)")
     parser.add_argument("--workers", type=_number(int, 0), nargs="+",
-                        help="DataLoader workers (default: one per core but one for the workload "
-                             "cases; 8 and one per core but one for loader_images)")
+                        help="DataLoader workers (default: one per core but one, N; "
+                             "loader_images: N, and 8 too where N > 8; train_model: the same, "
+                             "N at most 15)")
     parser.add_argument("--batches", type=_number(int, 1),
                         help="batches timed per path (default: each case's own, fewer without "
                              "a GPU; loader_images: 300, or 10 without a GPU)")
