@@ -29,6 +29,8 @@ help:
 	@echo "make install       only the venv and fastpin in it"
 	@echo "make clean         remove the venvs, build outputs and the C tests' builds"
 	@echo "Variables: PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC=\"$(TORCH_SPEC)\" FASTPIN_WERROR=$(FASTPIN_WERROR)"
+	@echo "           BENCH_ARGS=\"$(BENCH_ARGS)\" (make bench's options) PYTEST_ARGS=\"$(PYTEST_ARGS)\" (make test-py's)"
+	@echo "           PYTHONS=\"$(PYTHONS)\" (make test-pythons'; empty: every 3.10-3.13 found)"
 
 # torch in the same pip command as the rest: the ecosystem packages resolve
 # against it and never replace it.
@@ -44,8 +46,12 @@ $(VENV)/.installed: $(VENV)/.deps setup.py pyproject.toml MANIFEST.in $(wildcard
 
 install: $(VENV)/.installed
 
+# Run from here, so BENCH_ARGS' paths (--json run.json) are relative to where make
+# ran; -I (isolated: also on 3.10, where -P is missing) keeps the current directory,
+# the source tree, off sys.path (and PYTHON* variables out): the benchmark imports
+# the installed fastpin.
 bench: install
-	cd $(VENV) && bin/python -m fastpin.bench $(BENCH_ARGS)
+	$(PY) -I -m fastpin.bench $(BENCH_ARGS)
 
 test-c:
 	$(MAKE) -C tests/c test asan tsan

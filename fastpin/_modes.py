@@ -41,14 +41,17 @@ class Stats:
         self.lock = threading.Lock()
         self.batches = 0
         self.bytes = 0
+        self.pinned_bytes = 0     # of them, those pinned or staged by copy here
         self.copy_seconds = 0.0   # producer time spent in pinning / staging
         self.wait_seconds = 0.0   # consumer time spent waiting for a batch
         self.fallbacks = 0
 
-    def count(self, nbytes: int) -> None:
+    def count(self, nbytes: int, pinned: int = 0) -> None:
+        """A batch of `nbytes`, `pinned` of them copied into pinned memory here."""
         with self.lock:
             self.batches += 1
             self.bytes += nbytes
+            self.pinned_bytes += pinned
 
     def fallback(self) -> bool:
         """Count a batch that went the ordinary way; True for the first one."""
@@ -65,7 +68,10 @@ class Stats:
             d = {
                 "batches": self.batches,
                 "bytes": self.bytes,
-                "host_to_pinned_gbps": self.bytes / self.copy_seconds / 1e9 if self.copy_seconds else 0.0,
+                # None: nothing was pinned by copy (a "cpu" Loader, batches that
+                # all came in the shared arena, or none yet).
+                "host_to_pinned_gbps": (self.pinned_bytes / self.copy_seconds / 1e9
+                                        if self.pinned_bytes and self.copy_seconds else None),
                 "consumer_wait_s": self.wait_seconds,
                 # Batches that found their arena full and went the ordinary
                 # way, in every mode: host mode pinned by torch, device mode
@@ -152,7 +158,8 @@ class PinHost(PassThrough):
 
     def prepare(self, batch):
         out = self.pin(batch)
-        self.stats.count(batch_nbytes(out))
+        nbytes = batch_nbytes(out)
+        self.stats.count(nbytes, pinned=nbytes)
         return out
 
     def pin(self, batch):
@@ -312,7 +319,8 @@ class CopyToDevice(PassThrough):
             # The bus is behind: queue no further ahead of it. Every copy queued
             # keeps its source block (and its batch's device memory) held.
             in_flight.pop(0)[0].synchronize()
-        self.stats.count(sum(c[2] for c in copies))
+        # Pinned sources (zero-copy's block) are copied to the device, not pinned here.
+        self.stats.count(sum(c[2] for c in copies), pinned=sum(c[2] for c in copies if not c[3]))
         return event
 
 

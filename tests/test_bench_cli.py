@@ -6,7 +6,11 @@ No timing thresholds: only what the output says."""
 from __future__ import annotations
 
 import inspect
+import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,8 @@ import fastpin
 from fastpin import bench
 from conftest import patterned
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 no_gpu = pytest.mark.skipif(fastpin.cuda_available(), reason="checks the machine without a GPU")
 
 
@@ -53,6 +58,63 @@ def test_device_bogus_is_a_usage_error(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "argument --device: 'bogus' is not a device" in err and "Traceback" not in err
+
+
+# ---- numbers and files: a usage error, never a traceback or a silent run ----------
+
+# (option, a value it must refuse). Bugs: --sizes 0 ended in a ZeroDivisionError
+# traceback, --from-json of a missing file in a FileNotFoundError one, and --batches -5,
+# --max-seconds -1 (and the others below) were taken as given. --list follows each, so
+# a value taken as given ends the call at once, with status 0.
+REFUSED = [
+    ("--sizes", "0"), ("--sizes", "1e-9"), ("--seconds", "-1"), ("--batches", "-5"),
+    ("--batches", "0"), ("--warmup", "-1"), ("--max-seconds", "-1"),
+    ("--max-seconds", "nan"), ("--compute-ms", "-2"), ("--compute-ms", "inf"),
+    ("--hang-report", "-3"), ("--workers", "-1"), ("--from-json", "no-such-run.json"),
+]
+
+
+@pytest.mark.parametrize("option,value", REFUSED, ids=[f"{o}={v}" for o, v in REFUSED])
+def test_bad_numbers_and_missing_files_are_usage_errors(option, value, capsys, tmp_path,
+                                                        monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        bench.main([option, value, "--list"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {option}: " in err and "Traceback" not in err
+    assert repr(value) in err
+
+
+@pytest.mark.parametrize("option,value", [("--steps", "0"), ("--warmup", "-1"),
+                                          ("--workers", "-2")])
+def test_bench_train_bad_numbers_are_usage_errors(option, value, capsys):
+    # Bug: python -m fastpin.bench.train took --steps 0 (its figure divides by the time
+    # of no steps), --warmup -1 and --workers -2 as given.
+    from fastpin.bench import train
+
+    with pytest.raises(SystemExit) as exc:
+        train.main([option, value])
+    assert exc.value.code == 2
+    assert f"error: argument {option}: {value!r}" in capsys.readouterr().err
+
+
+def test_from_json_that_is_not_json_is_a_usage_error(capsys, tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text("not json {")
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--from-json", str(path)])
+    assert exc.value.code == 2
+    assert f"error: argument --from-json: {str(path)!r}" in capsys.readouterr().err
+
+
+def test_the_bounds_themselves_are_taken():
+    args = bench._parser().parse_args(
+        ["--sizes", "0.0625", "--seconds", "0", "--batches", "1", "--warmup", "0",
+         "--max-seconds", "0", "--compute-ms", "0", "--hang-report", "0", "--workers", "0", "2"])
+    assert (args.sizes, args.seconds, args.batches, args.warmup) == ([0.0625], 0.0, 1, 0)
+    assert (args.max_seconds, args.compute_ms, args.hang_report, args.workers) == \
+        (0.0, 0.0, 0.0, [0, 2])
 
 
 # ---- --list -----------------------------------------------------------------------
@@ -102,6 +164,22 @@ def test_sizes_are_mib_and_labelled_so():
     assert "MiB batches" in text and "pinned MiB held" in text and not re.search(r"\bMB\b", text)
 
 
+def test_pin_table_says_too_short_instead_of_zero_gbps():
+    # Bug: torch's 2-thread memcpy of 64 KiB on a loaded 2-core machine showed 0.0 GB/s:
+    # each call (8 ms against 2 us on one thread) timed a thread waiting for a core.
+    pins = {"gpu": False, "torch_threads": 2, "fastpin_threads": 2,
+            "rows": [{"size_mb": 0.0625, "memcpy_1": 31.6, "memcpy_n": 0.0082,
+                      "memcpy_pool": 12.5, "fastpin": 9.75},
+                     {"size_mb": 16, "memcpy_1": 7.25, "memcpy_n": 11.5, "memcpy_pool": 13.0,
+                      "fastpin": 12.0}]}
+    text = bench.format_pin_table(pins)
+    assert "| 0.0 |" not in text
+    assert "| 0.0625 MiB | 31.6 | too short* | 12.5 | n/a | n/a | 9.8 | 0.78x | n/a |" in text
+    assert "| 16 MiB | 7.2 | 11.5 | 13.0 |" in text
+    [note] = [ln for ln in text.splitlines() if ln.startswith("* too short")]
+    assert "0.0082 GB/s" not in note and "--json" in note
+
+
 # ---- a short loader -----------------------------------------------------------------
 
 def test_a_short_loader_says_how_many_batches_each_path_timed():
@@ -129,6 +207,17 @@ def test_enough_batches_carry_no_warning():
     assert not bench._too_few(long)
 
 
+def test_table_says_why_a_row_failed():
+    # Bug: table() printed a bare "failed" row; why ("ran out during warm-up") showed
+    # only in print(results).
+    res = bench.compare(eight_batches, paths=["pageable", "loader_host"], batches=1, warmup=20,
+                        device=None, progress=False)
+    table = res.table()
+    for row in res.rows:
+        assert row.status == "failed" and "warm-up" in row.reason
+        assert f"| {row.label} | | failed: the loader ran out during warm-up" in table
+
+
 # ---- the README -----------------------------------------------------------------------
 
 @pytest.fixture
@@ -146,6 +235,33 @@ def test_readme_lists_every_option(readme):
     assert not missing, missing
 
 
+def test_readme_case_table_matches_the_list(readme):
+    # Bug: the case table left out train_model.
+    table = readme[readme.index("| case | batches |"):]
+    table = table[:table.index("\n\n")]
+    named = [n for ln in table.splitlines()[2:] for n in re.findall(r"`(\w+)`", ln.split("|")[1])]
+    assert sorted(named) == sorted(bench.CASE_NAMES)
+
+
+@pytest.mark.parametrize("cpus,workloads,images,train", [
+    (2, [1], [1], [1]), (4, [3], [3], [3]), (16, [15], [8, 15], [8, 15]),
+    (64, [63], [8, 63], [8, 15])])
+def test_workers_default_is_what_readme_and_help_say(cpus, workloads, images, train,
+                                                     monkeypatch, readme):
+    # Bug: the README and --help said loader_images runs "8 and" one per core but one
+    # workers; on 2 cores it runs 1.
+    from fastpin.bench import __main__ as cli
+
+    monkeypatch.setattr(cli._C, "cpu_count", lambda: cpus)
+    plan = cli._plan(cli._parser().parse_args([]))
+    assert (plan.workers, plan.loader_workers, plan.train_workers) == (workloads, images, train)
+    said = ("one per core but one, N (`loader_images`: N, and 8 too where N > 8: `[1]` on 2 "
+            "cores, `[8, 15]` on 16; `train_model`: the same, N at most 15)")
+    assert said in " ".join(readme.split()) and "8 and that" not in readme
+    [action] = [a for a in cli._parser()._actions if "--workers" in a.option_strings]
+    assert "8 and one per core" not in action.help and "N > 8" in action.help
+
+
 def test_readme_lists_every_path_name(readme):
     # Bug: the names --path and compare(paths=) take were nowhere in the README.
     missing = [p for p in bench.PATHS if f"`{p}`" not in readme]
@@ -160,3 +276,53 @@ def test_readme_gives_compare_its_whole_signature(readme):
     for name, p in inspect.signature(bench.compare).parameters.items():
         text = name if p.default is inspect.Parameter.empty else f"{name}={p.default!r}"
         assert text in documented, text
+
+
+# ---- make bench -------------------------------------------------------------------------
+
+def bench_recipe(bench_args: str) -> str:
+    """The command `make bench BENCH_ARGS=...` runs, as `make -n` prints it, with this
+    interpreter's venv for the Makefile's."""
+    if not (ROOT / "Makefile").exists() or shutil.which("make") is None:
+        pytest.skip("no Makefile next to tests/, or no make")
+    r = subprocess.run(["make", "-s", "-n", "bench", f"VENV={sys.prefix}", f"PY={sys.executable}",
+                        f"BENCH_ARGS={bench_args}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    [line] = [ln for ln in r.stdout.splitlines() if "fastpin.bench" in ln]
+    return line
+
+
+def test_make_bench_paths_are_relative_to_where_make_ran(tmp_path):
+    # Bug: the recipe ran `cd $(VENV) && bin/python -m fastpin.bench`, so
+    # BENCH_ARGS="--json run.json --plot run.png" wrote both into .venv/, and make
+    # clean deleted them. The same command line, run in another directory: it reads
+    # run.json from there, and imports the installed fastpin, not a fastpin/ there.
+    line = bench_recipe("--from-json run.json")
+    assert not line.startswith("cd "), line
+    (tmp_path / "fastpin").mkdir()
+    (tmp_path / "fastpin" / "__init__.py").write_text("raise ImportError('the source tree')\n")
+    saved = {"machine": bench.machine(), "command": "python -m fastpin.bench --case tokens",
+             "order": [], "cases": [], "not_run_cases": {"tokens": "skipped: a pattern 7"}}
+    (tmp_path / "run.json").write_text(json.dumps(saved))
+    r = subprocess.run(line, shell=True, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "`python -m fastpin.bench --case tokens`" in r.stdout
+    assert "- tokens: skipped: a pattern 7" in r.stdout
+
+
+def test_make_help_names_every_variable():
+    # Bug: make help's variables left out BENCH_ARGS, PYTEST_ARGS and PYTHONS.
+    if not (ROOT / "Makefile").exists() or shutil.which("make") is None:
+        pytest.skip("no Makefile next to tests/, or no make")
+    makefile = (ROOT / "Makefile").read_text()
+    given = set(re.findall(r"^(?:export )?([A-Z_]+) \?=", makefile, re.M))
+    assigned = set(re.findall(r"^(?:export )?([A-Z_]+) :?\??=", makefile, re.M))
+    read = set(re.findall(r"\$\(([A-Z_]+)\)", makefile)) - assigned - {"MAKE"}
+    assert {"BENCH_ARGS", "PYTEST_ARGS"} <= read and "PYTHONS" in given
+    out = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60).stdout
+    variables = out[out.index("Variables:"):]
+    missing = [v for v in sorted(given | read) if f"{v}=" not in variables]
+    assert not missing, missing

@@ -80,3 +80,19 @@ def test_host_mode_counts_only_the_batches_that_fell_back():
     in_arena = sum(arena.base <= b["x"].data_ptr() < arena.base + arena.capacity for b in batches)
     assert 1 <= in_arena <= 2
     assert loader.stats()["fallbacks"] == 6 - in_arena
+
+
+@pytest.mark.parametrize("device", ["cpu", None])
+def test_no_pin_rate_when_nothing_was_pinned(device):
+    # Bug: host_to_pinned_gbps was reported when nothing was pinned: 0.0 before the
+    # first batch, and for a "cpu" Loader, which pins nothing, a rate of passing
+    # batches through.
+    loader = fastpin.Loader(DataLoader(Samples(), batch_size=4), device=device)
+    assert loader.stats()["host_to_pinned_gbps"] is None
+    check(loader)
+    stats = loader.stats()
+    assert stats["batches"] == 6
+    if device == "cpu":
+        assert stats["host_to_pinned_gbps"] is None
+    else:
+        assert stats["host_to_pinned_gbps"] > 0

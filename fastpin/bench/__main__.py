@@ -6,6 +6,7 @@ import argparse
 import functools
 import json
 import logging
+import math
 import sys
 from typing import Optional, Sequence
 
@@ -13,7 +14,7 @@ from fastpin import _C, _torch
 
 from ._optional import torch
 from .cases import CASE_NAMES, SUITE, Plan
-from .host import machine
+from .host import MB, machine
 from .paths import PATHS, gpu_usable, target_of
 from .plots import MATPLOTLIB, plot
 from .progress import Progress
@@ -34,6 +35,40 @@ def _device_arg(text: str) -> str:
         "cuda:N")
 
 
+def _number(kind: type, least: float):
+    """An option's type: a finite `kind` (int or float) of at least `least`;
+    anything else is a usage error ("argument --X: ...")."""
+    def parse(text: str):
+        try:
+            x = kind(text)
+        except ValueError:
+            x = None
+        if x is None or not math.isfinite(x) or x < least:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give {'a whole' if kind is int else 'a'} number of at least {least:g}")
+        return x
+    return parse
+
+
+def _mib(text: str) -> float:
+    """--sizes: MiB, at least one byte."""
+    size = _number(float, 0)(text)
+    if int(size * MB) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least one byte "
+                                         f"({1 / MB:.2g} MiB)")
+    return size
+
+
+def _saved_run(path: str) -> dict:
+    """--from-json: the run a --json wrote, read now, so a missing or broken file is
+    a usage error."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{path!r}: {exc}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     """The command line's options (main() and the README's list of them)."""
     parser = argparse.ArgumentParser(prog="python -m fastpin.bench",
@@ -43,29 +78,31 @@ def _parser() -> argparse.ArgumentParser:
                         help="a case to run (repeatable; default: all)")
     parser.add_argument("--path", action="append", choices=tuple(PATHS),
                         help="a path to run in the workload cases (repeatable; default: all)")
-    parser.add_argument("--workers", type=int, nargs="+",
-                        help="DataLoader workers (default: one per core but one for the workload "
-                             "cases; 8 and one per core but one for loader_images)")
-    parser.add_argument("--batches", type=int,
+    parser.add_argument("--workers", type=_number(int, 0), nargs="+",
+                        help="DataLoader workers (default: one per core but one, N; "
+                             "loader_images: N, and 8 too where N > 8; train_model: the same, "
+                             "N at most 15)")
+    parser.add_argument("--batches", type=_number(int, 1),
                         help="batches timed per path (default: each case's own, fewer without "
                              "a GPU; loader_images: 300, or 10 without a GPU)")
-    parser.add_argument("--warmup", type=int, help="batches before timing starts (default: 3)")
-    parser.add_argument("--max-seconds", type=float, default=3.0,
+    parser.add_argument("--warmup", type=_number(int, 0),
+                        help="batches before timing starts (default: 3)")
+    parser.add_argument("--max-seconds", type=_number(float, 0), default=3.0,
                         help="time budget of each path: it stops timing after this many "
                              "seconds (at least 5 batches) even short of --batches, so the "
                              "whole suite fits in a few minutes (default: 3; 0: no budget)")
-    parser.add_argument("--compute-ms", type=float, default=0.0,
+    parser.add_argument("--compute-ms", type=_number(float, 0), default=0.0,
                         help="simulated compute per step in the workload cases, ms (default: 0)")
     parser.add_argument("--device", default="auto", type=_device_arg,
                         help="where batches go: auto (the GPU if any, else the host), host, "
                              "cuda, cuda:N (an error where there is no such GPU)")
     parser.add_argument("--quick", action="store_true",
                         help="a short run: a few batches per path, smaller micro tables")
-    parser.add_argument("--sizes", type=float, nargs="+",
+    parser.add_argument("--sizes", type=_mib, nargs="+",
                         help="pin_sizes: batch sizes in MiB (default: 0.0625 0.25 1 16 256)")
-    parser.add_argument("--seconds", type=float,
+    parser.add_argument("--seconds", type=_number(float, 0),
                         help="pin_sizes: least time spent timing each cell (default: 0.5)")
-    parser.add_argument("--hang-report", type=float, default=300.0, metavar="SECONDS",
+    parser.add_argument("--hang-report", type=_number(float, 0), default=300.0, metavar="SECONDS",
                         help="a workload path still running after this long prints every "
                              "thread's stack to stderr (and again, from faulthandler, at twice "
                              "the time), then goes on (default: 300; 0: never)")
@@ -73,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", metavar="PATH",
                         help="also draw the workload cases (PNG; needs matplotlib: "
                              "pip install matplotlib)")
-    parser.add_argument("--from-json", metavar="PATH",
+    parser.add_argument("--from-json", metavar="PATH", type=_saved_run,
                         help="measure nothing: print (and --plot) a run that --json wrote")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--list", action="store_true",
@@ -92,8 +129,7 @@ def _list() -> int:
 
 
 def _from_json(args: argparse.Namespace) -> int:
-    with open(args.from_json) as f:
-        saved = json.load(f)
+    saved = args.from_json  # read by _saved_run
     _out(report(saved))
     if args.plot:
         plot(saved, args.plot)

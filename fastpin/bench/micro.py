@@ -318,6 +318,16 @@ def _fmt(x) -> str:
     return "n/a" if x is None else f"{x:.1f}"
 
 
+# A cell this many times slower than its row's fastest memcpy timed no copy: a
+# small copy split over threads on a busy machine waits for a core (2 threads, 64
+# KiB: 8 ms a call against 2 us on one thread), and its GB/s would print as 0.0.
+_TOO_SHORT = 100
+
+
+def _cell(x, fastest: float) -> str:
+    return "too short*" if x is not None and x * _TOO_SHORT < fastest else _fmt(x)
+
+
 def format_pin_table(result: dict) -> str:
     n, fp = result["torch_threads"], result["fastpin_threads"]
     lines = [
@@ -326,18 +336,24 @@ def format_pin_table(result: dict) -> str:
         "fastpin / best memcpy | fastpin / torch pin 1 |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    short = False
     for r in result["rows"]:
         t1 = r.get("torch_pin_1")
         best = max(r["memcpy_n"], r["memcpy_pool"])
+        fastest = max(r["memcpy_1"], best)
+        cells = [_cell(r.get(k), fastest) for k in
+                 ("memcpy_1", "memcpy_n", "memcpy_pool", "torch_pin_1", "torch_pin_n", "fastpin")]
+        short = short or "too short*" in cells
         lines.append(
-            f"| {r['size_mb']:g} MiB | {_fmt(r['memcpy_1'])} | {_fmt(r['memcpy_n'])} | "
-            f"{_fmt(r['memcpy_pool'])} | {_fmt(t1)} | "
-            f"{_fmt(r.get('torch_pin_n'))} | {_fmt(r['fastpin'])} | "
-            f"{r['fastpin'] / best:.2f}x | "
+            f"| {r['size_mb']:g} MiB | {' | '.join(cells)} | {r['fastpin'] / best:.2f}x | "
             f"{'n/a' if t1 is None else format(r['fastpin'] / t1, '.2f') + 'x'} |")
     lines.append("")
     lines.append("GB/s, median of repeated calls on the same patterned batch, the columns timed "
                  "in five interleaved turns.")
+    if short:
+        lines.append(f"* too short: its median call took over {_TOO_SHORT}x as long as the "
+                     "row's fastest memcpy of the same bytes: a copy this short timed threads "
+                     "waiting for a core (a busy machine), not copying; --json keeps the figure.")
     if not result["gpu"]:
         lines.append("No GPU: nothing is page-locked here; torch cannot pin without an "
                      "accelerator, so its pin rows are n/a and fastpin copies into ordinary memory.")

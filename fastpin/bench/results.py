@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Iterator, Optional
 
 from .paths import PATHS
 
@@ -41,14 +41,6 @@ class Row:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
-
-
-def grouped(rows: Iterable[Row], key: Callable[[Row], str] = lambda r: r.label) -> list:
-    """[(status: reason, [keys of the rows with it])], in first-seen order."""
-    groups: dict = {}
-    for r in rows:
-        groups.setdefault(f"{r.status}: {r.reason}", []).append(key(r))
-    return list(groups.items())
 
 
 METRICS = {
@@ -88,8 +80,9 @@ def few_warning(row: Row) -> str:
 
 
 def _table_row(r: Row, base: Optional[Row]) -> str:
-    if not r.ok:
-        return f"| {r.label} | | {r.status} | | | | | | |"
+    if not r.ok:  # the reason in the row: table() alone says why
+        why = r.reason.replace("|", "\\|")
+        return f"| {r.label} | | {r.status}: {why} | | | | | | |"
     ratio = f"{r.gbps / base.gbps:.2f}x" if base and r.gbps is not None else "-"
     pinned = "-" if r.pinned_mb is None else f"{r.pinned_mb:.0f}"
     if r.pool_peak_mb is not None:
@@ -176,14 +169,13 @@ class Results:
             parts.append(f"{heading} {self.title or self.name}\n")
         parts.append(self.header() + "\n")
         parts.append(self.table())
-        reasons = [f"- {', '.join(labels)}: {why}" for why, labels in grouped(self.not_run)]
         fallbacks = [f"- {r.label}: {r.fallbacks} batches pinned the ordinary way (arena full)"
                      for r in self.rows if r.ok and r.fallbacks]
         short = [f"- {r.label}: {r.reason}" for r in self.rows if r.ok and r.reason]
         few = [f"- {few_warning(r)}" for r in self.rows if too_few(r)]
-        if reasons or fallbacks or short or few or self.notes:
+        if fallbacks or short or few or self.notes:
             parts.append("")
-            parts.extend(reasons + fallbacks + short + few + [f"- {n}" for n in self.notes])
+            parts.extend(fallbacks + short + few + [f"- {n}" for n in self.notes])
         return "\n".join(parts)
 
     def _repr_markdown_(self) -> str:

@@ -229,10 +229,12 @@ def format_train_table(result: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastpin.bench_train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", type=int, action="append",
+    from .__main__ import _number  # python -m fastpin.bench's own checks
+
+    parser.add_argument("--workers", type=_number(int, 0), action="append",
                         help="DataLoader workers (repeatable; default 8 and 15)")
-    parser.add_argument("--steps", type=int, default=50, help="steps timed per path")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--steps", type=_number(int, 1), default=50, help="steps timed per path")
+    parser.add_argument("--warmup", type=_number(int, 0), default=5, help="untimed steps first")
     parser.add_argument("--path", action="append", choices=PATHS, help="a path (repeatable)")
     args = parser.parse_args(argv)
     why = why_not()
