@@ -40,7 +40,7 @@ $(VENV)/.deps: requirements-dev.txt
 	$(PY) -m pip install -q $(TORCH_SPEC) -r requirements-dev.txt
 	touch $@
 
-$(VENV)/.installed: $(VENV)/.deps setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*.c csrc/*.h fastpin/*.py fastpin/*.pyi fastpin/py.typed)
+$(VENV)/.installed: $(VENV)/.deps setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*.c csrc/*.h fastpin/*.py fastpin/bench/*.py fastpin/*.pyi fastpin/py.typed)
 	$(PY) -m pip install -q --no-build-isolation .
 	touch $@
 
