@@ -9,7 +9,7 @@ from torch.utils.data._utils.collate import collate as _collate
 from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
 from ._arena import default_arena
-from ._leaves import Plan, Stack, stackable
+from ._leaves import Plan, Stack, records_grad, stackable
 from ._pin import Fallback, pin_with_policy
 from ._runtime import count, first, settings
 
@@ -17,7 +17,7 @@ __all__ = ["collate", "stackable"]
 
 
 def _stack_into_arena(batch, *, collate_fn_map=None):
-    if not stackable(batch):
+    if not stackable(batch) or records_grad(batch):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     plan = Plan([Stack(batch)])
     try:
@@ -36,7 +36,9 @@ _fn_map = {**default_collate_fn_map, torch.Tensor: _stack_into_arena}
 def collate(batch):
     """A drop-in DataLoader collate_fn: collates like default_collate, but every
     stacked tensor is built directly in a pinned arena block, so the batch needs
-    no second copy to be pinned (use it with pin_memory=False).
+    no second copy to be pinned (use it with pin_memory=False). Samples that
+    require grad are stacked by torch, as default_collate does, so autograd
+    records the stack and the gradient reaches each sample.
 
     In DataLoader worker processes it collates exactly like default_collate and
     says so once: memory pinned in a worker would not be pinned, nor even
