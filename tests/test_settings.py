@@ -46,9 +46,12 @@ BAD_CONFIGURE = [
     ({"threads": -1}, ValueError, r"threads must be 0 \(the default.* to 1024, not -1"),
     ({"threads": 1025}, ValueError, r"threads must be .* not 1025"),
     ({"threads": 2.5}, TypeError, r"threads must be an integer"),
-    ({"device": -1}, ValueError, r"device must be a CUDA device ordinal >= 0, not -1"),
-    ({"device": "cuda:0"}, TypeError, r"device must be an integer"),
-    ({"device": 0.0}, TypeError, r"device must be an integer"),
+    ({"device": -1}, ValueError, r"device must be a CUDA device \('cuda', 'cuda:N', an ordinal N >= 0 or a torch.device of type cuda\), not -1"),
+    ({"device": "cpu"}, ValueError, r"device must be a CUDA device \(.*\), not 'cpu'"),
+    ({"device": "cuda:-1"}, ValueError, r"device must be a CUDA device .* not 'cuda:-1'"),
+    ({"device": torch.device("cpu")}, ValueError, r"device must be a CUDA device .* not device\(type='cpu'\)"),
+    ({"device": 0.0}, TypeError, r"device must be an integer, a CUDA device .* not float 0.0"),
+    ({"device": True}, TypeError, r"device must be a CUDA device .* not True"),
     ({"on_full": "drop"}, ValueError, r"on_full must be one of 'fallback', 'wait', 'raise', not 'drop'"),
     ({"allow_unpinned": "no"}, TypeError, r"allow_unpinned must be True or False, not 'no'"),
     ({"numa": 2}, TypeError, r"numa must be True or False, not 2"),
@@ -75,11 +78,50 @@ def test_configure_accepts_good_settings():
         assert _arena.get_capacity() == 64 << 20 and type(_arena.get_capacity()) is int
         fastpin.configure(wait_timeout=2.5, capacity=MAX)
         assert _arena.policy()["wait_timeout"] == 2.5
-        if not fastpin.cuda_available():
-            fastpin.configure(device=3)  # no GPU: any ordinal names the one host arena
     finally:
         fastpin.configure(capacity=before[0], wait_timeout=before[1]["wait_timeout"])
         _runtime.settings.device = None
+
+
+def test_configure_device_refused_cuda_n_and_took_an_absent_gpu(monkeypatch):
+    """Issue 26: configure(device="cuda:0") was refused though Loader takes
+    "cuda:N", and configure(device=5) was taken with no GPU present. It takes
+    what the Loader takes for a CUDA device ("cuda": the current one), and
+    refuses one this machine does not have."""
+    settings = _runtime.settings
+    try:
+        # A machine of two GPUs, as configure sees it.
+        monkeypatch.setattr(_arena, "cuda_available", lambda: True)
+        monkeypatch.setattr(_arena, "cuda_status",
+                            lambda: _arena.CudaStatus("ready", "ready", 12080, 2, "event"))
+        for given, index in [("cuda:1", 1), (1, 1), (np.int64(1), 1), (torch.device("cuda", 1), 1),
+                             ("cuda:0", 0), ("cuda", None), (torch.device("cuda"), None)]:
+            settings.device = 7
+            fastpin.configure(device=given)
+            assert settings.device == index and type(settings.device) in (int, type(None)), given
+        settings.device = 7
+        for given in ["cuda:2", 2, torch.device("cuda", 2), 2 ** 40]:
+            with pytest.raises(ValueError, match=r"device must be a CUDA device from 0 to 1 "
+                                                 r"\(this machine has 2\), not "):
+                fastpin.configure(device=given, on_full="raise")
+            assert settings.device == 7 and settings.on_full != "raise"  # nothing changed
+        monkeypatch.undo()
+        # This machine as it is.
+        settings.device = None
+        if fastpin.cuda_available():
+            count = fastpin.cuda_status().device_count
+            fastpin.configure(device=f"cuda:{count - 1}")
+            assert settings.device == count - 1
+            with pytest.raises(ValueError, match=rf"this machine has {count}\), not {count}"):
+                fastpin.configure(device=count)
+        else:
+            for given in [0, 5, "cuda:0", "cuda", torch.device("cuda", 0)]:
+                with pytest.raises(ValueError, match=r"device must be a CUDA device this machine "
+                                                     r"has, not .*: no usable CUDA GPU here \("):
+                    fastpin.configure(device=given)
+            assert settings.device is None
+    finally:
+        settings.device = None
 
 
 # ---- environment variables, checked at import ----------------------------------------
