@@ -9,7 +9,7 @@ from torch.utils.data._utils.collate import collate as _collate
 from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
 from ._arena import default_arena
-from ._leaves import Plan, Stack, records_grad, stackable
+from ._leaves import Plan, Stack, stackable
 from ._pin import Fallback, pin_with_policy
 from ._runtime import count, first, settings
 
@@ -17,7 +17,8 @@ __all__ = ["collate", "stackable"]
 
 
 def _stack_into_arena(batch, *, collate_fn_map=None):
-    if not stackable(batch) or records_grad(batch):
+    # Samples that require grad go to torch, which records the stack for autograd.
+    if not stackable(batch) or (torch.is_grad_enabled() and any(t.requires_grad for t in batch)):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     plan = Plan([Stack(batch)])
     try:

@@ -408,12 +408,6 @@ def stackable(batch) -> bool:
                        or t.dtype != elem.dtype or t.device != elem.device for t in batch))
 
 
-def records_grad(samples) -> bool:
-    """Whether autograd records a stack of these samples (one requires grad and
-    grad mode is on): torch must stack them then, so the gradient reaches each."""
-    return _torch().is_grad_enabled() and any(t.requires_grad for t in samples)
-
-
 # ---- the registry -------------------------------------------------------------
 
 _handlers: dict = {np.ndarray: _Arrays(), np.matrix: _Arrays(np.matrix),

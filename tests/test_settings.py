@@ -46,7 +46,8 @@ BAD_CONFIGURE = [
     ({"threads": -1}, ValueError, r"threads must be 0 \(the default.* to 1024, not -1"),
     ({"threads": 1025}, ValueError, r"threads must be .* not 1025"),
     ({"threads": 2.5}, TypeError, r"threads must be an integer"),
-    ({"device": -1}, ValueError, r"device must be a CUDA device \('cuda', 'cuda:N', an ordinal N >= 0 or a torch.device of type cuda\), not -1"),
+    ({"device": -1}, ValueError, r"device must be a CUDA device \('cuda', 'cuda:N', an ordinal N >= 0 "
+                                 r"or a torch.device of type cuda\), not -1"),
     ({"device": "cpu"}, ValueError, r"device must be a CUDA device \(.*\), not 'cpu'"),
     ({"device": "cuda:-1"}, ValueError, r"device must be a CUDA device .* not 'cuda:-1'"),
     ({"device": torch.device("cpu")}, ValueError, r"device must be a CUDA device .* not device\(type='cpu'\)"),
