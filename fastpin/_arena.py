@@ -3,6 +3,7 @@ settings themselves are _runtime's)."""
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any, NamedTuple, Optional
 
@@ -51,13 +52,15 @@ def cuda_status() -> CudaStatus:
 
 
 def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
-              device: Optional[int] = None, on_full: Optional[str] = None,
+              device: Any = None, on_full: Optional[str] = None,
               wait_timeout: Optional[float] = None,
               allow_unpinned: Optional[bool] = None, numa: Optional[bool] = None) -> None:
     """Set the default arenas' cap in bytes (default 1 GiB, or FASTPIN_ARENA_BYTES),
     the copy pool's size (default: the CPUs this process may use, at most 16, or
     FASTPIN_THREADS) and the GPU that fastpin.pin_memory pins for when no device is
-    named (default: the current one). Each GPU gets its own default arena, made on
+    named (default: the current one), named as fastpin.Loader names one: "cuda" (the
+    current one), "cuda:N", N or a torch.device of type cuda, a GPU this machine has.
+    Each GPU gets its own default arena, made on
     first use. A new cap takes effect with new arenas; blocks of the old ones stay
     valid until their tensors die.
 
@@ -92,8 +95,7 @@ def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
         threads = check_int("threads", threads, 0, MAX_THREADS,
                              f"0 (the default: the CPUs this process may use, at most 16) "
                              f"to {MAX_THREADS}")
-    if device is not None:
-        device = _check_device(device)
+    index = _check_device(device) if device is not None else None
     if on_full is not None:
         settings.on_full = on_full
     if wait_timeout is not None:
@@ -105,7 +107,7 @@ def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
             settings.capacity = capacity
             _arenas.clear()
         if device is not None:
-            settings.device = device
+            settings.device = index
         if numa is not None and numa != settings.numa:
             _arenas.clear()
     if numa is not None:
@@ -115,14 +117,29 @@ def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
         _C.set_threads(threads)
 
 
-def _check_device(device: Any) -> int:
-    """configure(device=...): a CUDA ordinal this machine has (any ordinal >= 0
-    where no GPU is usable: nothing is registered then)."""
-    index = check_int("device", device, 0, None, "a CUDA device ordinal >= 0")
-    count = _C.cuda_status()["device_count"]
-    if cuda_available() and 0 < count <= index:
-        raise ValueError(f"device must be a CUDA device ordinal from 0 to {count - 1} "
-                         f"(this machine has {count}), not {index}")
+DEVICE_ALLOWED = ("a CUDA device ('cuda', 'cuda:N', an ordinal N >= 0 or a torch.device of "
+                  "type cuda)")
+
+
+def _check_device(device: Any) -> Optional[int]:
+    """configure(device=...): the CUDA ordinal `device` names, or None for "cuda"
+    (the current device, as when none is configured); it must be a GPU this
+    machine has. torch need not be imported (then no torch.device exists)."""
+    torch = sys.modules.get("torch")
+    if isinstance(device, str) or (torch is not None and isinstance(device, torch.device)):
+        name = re.fullmatch(r"cuda(?::([0-9]+))?", str(device))
+        if name is None:
+            raise ValueError(f"device must be {DEVICE_ALLOWED}, not {device!r}")
+        index = int(name[1]) if name[1] is not None else None
+    else:
+        index = check_int("device", device, 0, None, DEVICE_ALLOWED)
+    if not cuda_available():
+        raise ValueError(f"device must be a CUDA device this machine has, not {device!r}: "
+                         f"no usable CUDA GPU here ({cuda_status().reason})")
+    count = cuda_status().device_count
+    if index is not None and index >= count:
+        raise ValueError(f"device must be a CUDA device from 0 to {count - 1} "
+                         f"(this machine has {count}), not {device!r}")
     return index
 
 

@@ -17,7 +17,8 @@ __all__ = ["collate", "stackable"]
 
 
 def _stack_into_arena(batch, *, collate_fn_map=None):
-    if not stackable(batch):
+    # Samples that require grad go to torch, which records the stack for autograd.
+    if not stackable(batch) or (torch.is_grad_enabled() and any(t.requires_grad for t in batch)):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     plan = Plan([Stack(batch)])
     try:
@@ -36,7 +37,9 @@ _fn_map = {**default_collate_fn_map, torch.Tensor: _stack_into_arena}
 def collate(batch):
     """A drop-in DataLoader collate_fn: collates like default_collate, but every
     stacked tensor is built directly in a pinned arena block, so the batch needs
-    no second copy to be pinned (use it with pin_memory=False).
+    no second copy to be pinned (use it with pin_memory=False). Samples that
+    require grad are stacked by torch, as default_collate does, so autograd
+    records the stack and the gradient reaches each sample.
 
     In DataLoader worker processes it collates exactly like default_collate and
     says so once: memory pinned in a worker would not be pinned, nor even

@@ -27,11 +27,9 @@ import os
 from typing import Iterable, NamedTuple, Optional
 
 from . import _C
-from ._runtime import process, settings
+from ._runtime import SYSFS_ROOT_ENV, process, settings
 
 log = logging.getLogger("fastpin")
-
-SYSFS_ROOT_ENV = "FASTPIN_SYSFS_ROOT"
 
 
 class Placement(NamedTuple):

@@ -9,10 +9,11 @@
     counts      fastpin.stats()'s counters of pin_memory and collate; the
                 warnings given once; what fastpin.install() replaced
 
-Importing fastpin registers a fork hook (here) and an exit hook (_loader) and
-does nothing else: the environment is read, and checked, when the
-configuration is first used (the first pin, arena or configure() call); a bad
-value raises there, at every use, with a message that names the variable.
+Importing fastpin checks every FASTPIN_* variable it reads (a bad value fails
+the import, with the variable's name and what it may be), registers a fork
+hook (here) and an exit hook (_loader), and does nothing else: the settings
+are read from the environment again, and applied (the copy pool sized), when
+the configuration is first used (the first pin, arena or configure() call).
 A forked child starts with `process` empty (os.register_at_fork): the
 parent's arenas are registered in the parent's CUDA context, its threads do
 not exist in the child. Its settings, counts and warnings are the parent's,
@@ -82,8 +83,10 @@ def check_seconds(name: str, value: Any) -> float:
 
 # ---- the environment -----------------------------------------------------------------
 
-def env_int(name: str, default: Optional[int], lo: int, hi: int, allowed: str) -> Optional[int]:
-    """An integer environment variable, checked like the setting it names."""
+def env_int(name: str, default: Optional[int], lo: int, hi: Optional[int],
+            allowed: str) -> Optional[int]:
+    """An integer environment variable, checked like the setting it names (hi
+    None: no bound)."""
     value = os.environ.get(name)
     if value is None or value.strip() == "":
         return default
@@ -91,7 +94,7 @@ def env_int(name: str, default: Optional[int], lo: int, hi: int, allowed: str) -
         number = int(value.strip())
     except ValueError:
         raise ValueError(f"{name}={value!r}: must be {allowed}") from None
-    if not lo <= number <= hi:
+    if number < lo or (hi is not None and number > hi):
         raise ValueError(f"{name}={value!r}: must be {allowed}")
     return number
 
@@ -113,6 +116,53 @@ def env_choice(name: str, default: str, choices: tuple) -> str:
     if value not in choices:
         raise ValueError(f"{name}={value!r}: must be one of {', '.join(choices)}")
     return value
+
+
+def env_exact(name: str, words: tuple, allowed: str) -> None:
+    """A variable the C core reads as written (no spaces, no other words): one of `words`."""
+    value = os.environ.get(name, "")
+    if value not in words:
+        raise ValueError(f"{name}={value!r}: must be {allowed}")
+
+
+SYSFS_ROOT_ENV = "FASTPIN_SYSFS_ROOT"  # where _numa reads the topology (tests give a fake tree)
+
+
+def zero_copy_max_bytes() -> Optional[int]:
+    """FASTPIN_ZERO_COPY_MAX_BYTES: the cap of a self-sizing shared arena, or None."""
+    return env_int("FASTPIN_ZERO_COPY_MAX_BYTES", None, 1, None,
+                   "a number of bytes >= 1 (the most a self-sizing shared arena grows to)")
+
+
+def read_environment() -> dict:
+    """The settings the FASTPIN_* environment gives (defaults where unset), checked."""
+    return {
+        "capacity": env_int("FASTPIN_ARENA_BYTES", GiB, 1, MAX_CAPACITY, CAPACITY_ALLOWED),
+        "threads": env_int("FASTPIN_THREADS", None, 1, MAX_THREADS,
+                           f"a number of copy threads from 1 to {MAX_THREADS} (unset: "
+                           "the CPUs this process may use, at most 16)"),
+        "device": None,  # None: the current GPU (see _arena.device_index)
+        "on_full": env_choice("FASTPIN_ON_FULL", "fallback", ON_FULL),
+        "wait_timeout": 10.0,
+        "allow_unpinned": env_flag("FASTPIN_ALLOW_UNPINNED", False),
+        "numa": env_flag("FASTPIN_NUMA", True),
+        "streaming": env_flag("FASTPIN_STREAMING", True),
+    }
+
+
+def check_environment() -> None:
+    """At import: every FASTPIN_* variable fastpin reads, the settings' and
+    those read where they are used (here, in _segments, _numa and the C core's
+    cuda.c), checked; the first bad one raises ValueError."""
+    read_environment()
+    zero_copy_max_bytes()
+    env_exact("FASTPIN_DISABLE_CUDA", ("", "0", "1"), "1 (never load the CUDA driver) or 0")
+    env_exact("FASTPIN_FENCE", ("", "event", "sync"), "one of event, sync (unset: event "
+              "where the driver has cuCtxRecordEvent)")
+    root = os.environ.get(SYSFS_ROOT_ENV)
+    if root and not os.path.isdir(root):
+        raise ValueError(f"{SYSFS_ROOT_ENV}={root!r}: must be a directory holding a sysfs tree "
+                         "(unset: /sys)")
 
 
 class Settings:
@@ -143,18 +193,7 @@ class Settings:
         with _settings_lock:
             if "_loaded" in self.__dict__:
                 return
-            fields = {
-                "capacity": env_int("FASTPIN_ARENA_BYTES", GiB, 1, MAX_CAPACITY, CAPACITY_ALLOWED),
-                "threads": env_int("FASTPIN_THREADS", None, 1, MAX_THREADS,
-                                   f"a number of copy threads from 1 to {MAX_THREADS} (unset: "
-                                   "the CPUs this process may use, at most 16)"),
-                "device": None,  # None: the current GPU (see _arena.device_index)
-                "on_full": env_choice("FASTPIN_ON_FULL", "fallback", ON_FULL),
-                "wait_timeout": 10.0,
-                "allow_unpinned": env_flag("FASTPIN_ALLOW_UNPINNED", False),
-                "numa": env_flag("FASTPIN_NUMA", True),
-                "streaming": env_flag("FASTPIN_STREAMING", True),
-            }
+            fields = read_environment()
             if fields["threads"] is not None:
                 _C.set_threads(fields["threads"])
             _C.set_streaming(fields["streaming"])
@@ -168,6 +207,7 @@ class Settings:
 
 _settings_lock = threading.Lock()
 settings = Settings()
+check_environment()
 
 
 # ---- this process ----------------------------------------------------------------------

@@ -25,7 +25,7 @@ import weakref
 from typing import Callable, Optional
 
 from . import _C, _numa
-from ._runtime import process
+from ._runtime import process, zero_copy_max_bytes
 
 log = logging.getLogger("fastpin")
 
@@ -201,13 +201,9 @@ def default_cap(registered: bool) -> int:
     driver pins registered memory itself and does not charge it there (fastpin's
     1 GiB default arena is page-locked under them); should a registration be
     refused all the same, the arena stops growing and batches fall back."""
-    value = os.environ.get("FASTPIN_ZERO_COPY_MAX_BYTES", "")
-    if value:
-        try:
-            return max(int(value), 1)
-        except ValueError:
-            raise ValueError("FASTPIN_ZERO_COPY_MAX_BYTES must be an integer number of bytes, "
-                             f"not {value!r}") from None
+    value = zero_copy_max_bytes()
+    if value is not None:
+        return value
     cap = _memory_bytes() // 4
     if registered:
         try:

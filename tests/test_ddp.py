@@ -137,6 +137,8 @@ def pretend_gpus(monkeypatch):
     if fastpin.cuda_available():
         pytest.skip("pretends GPUs on a machine with no driver; a real GPU is here")
     monkeypatch.setattr(_arena, "cuda_available", lambda: True)
+    monkeypatch.setattr(_arena, "cuda_status",   # what configure(device=...) checks
+                        lambda: _arena.CudaStatus("ready", "pretended", 12080, 8, "event"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)

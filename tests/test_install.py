@@ -169,6 +169,32 @@ def test_collate_matches_default_collate():
         assert in_arena(out[key], arena), key
 
 
+def test_collate_drops_autograd():
+    """Issue 26: samples that require grad collated to a pinned batch with
+    requires_grad=False and no grad_fn. They go torch's way (the stack is
+    recorded, as default_collate's); the ordinary leaves beside them are still
+    stacked into the arena, and under no_grad the fast path takes them too."""
+    ws = [patterned((3, 4), torch.float32, 50 + i).nan_to_num(0.5).requires_grad_()
+          for i in range(4)]
+    samples = [{"w": w, "x": patterned((5,), torch.int32, 60 + i)} for i, w in enumerate(ws)]
+    out = fastpin.collate(samples)
+    ref = default_collate(samples)
+    assert out["w"].requires_grad and type(out["w"].grad_fn) is type(ref["w"].grad_fn)
+    assert type(out["w"].grad_fn).__name__ == "StackBackward0"
+    assert_same(out["w"].detach(), ref["w"].detach())
+    assert_same(out["x"], ref["x"])
+    assert in_arena(out["x"], fastpin.default_arena())
+    weights = patterned((4, 3, 4), torch.float32, 70).nan_to_num(0.25)
+    (out["w"] * weights).sum().backward()
+    for i, w in enumerate(ws):                       # the gradient reaches each sample
+        assert torch.equal(w.grad, weights[i])
+    with torch.no_grad():
+        plain = fastpin.collate(ws)
+    assert not plain.requires_grad and plain.grad_fn is None
+    assert in_arena(plain, fastpin.default_arena())
+    assert torch.equal(plain, torch.stack([w.detach() for w in ws]))
+
+
 def test_collate_in_dataloader_without_workers():
     ds = PatternDataset(seed=4)
     refs = expected_batches(ds)

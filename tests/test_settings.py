@@ -46,9 +46,13 @@ BAD_CONFIGURE = [
     ({"threads": -1}, ValueError, r"threads must be 0 \(the default.* to 1024, not -1"),
     ({"threads": 1025}, ValueError, r"threads must be .* not 1025"),
     ({"threads": 2.5}, TypeError, r"threads must be an integer"),
-    ({"device": -1}, ValueError, r"device must be a CUDA device ordinal >= 0, not -1"),
-    ({"device": "cuda:0"}, TypeError, r"device must be an integer"),
-    ({"device": 0.0}, TypeError, r"device must be an integer"),
+    ({"device": -1}, ValueError, r"device must be a CUDA device \('cuda', 'cuda:N', an ordinal N >= 0 "
+                                 r"or a torch.device of type cuda\), not -1"),
+    ({"device": "cpu"}, ValueError, r"device must be a CUDA device \(.*\), not 'cpu'"),
+    ({"device": "cuda:-1"}, ValueError, r"device must be a CUDA device .* not 'cuda:-1'"),
+    ({"device": torch.device("cpu")}, ValueError, r"device must be a CUDA device .* not device\(type='cpu'\)"),
+    ({"device": 0.0}, TypeError, r"device must be an integer, a CUDA device .* not float 0.0"),
+    ({"device": True}, TypeError, r"device must be a CUDA device .* not True"),
     ({"on_full": "drop"}, ValueError, r"on_full must be one of 'fallback', 'wait', 'raise', not 'drop'"),
     ({"allow_unpinned": "no"}, TypeError, r"allow_unpinned must be True or False, not 'no'"),
     ({"numa": 2}, TypeError, r"numa must be True or False, not 2"),
@@ -75,14 +79,53 @@ def test_configure_accepts_good_settings():
         assert _arena.get_capacity() == 64 << 20 and type(_arena.get_capacity()) is int
         fastpin.configure(wait_timeout=2.5, capacity=MAX)
         assert _arena.policy()["wait_timeout"] == 2.5
-        if not fastpin.cuda_available():
-            fastpin.configure(device=3)  # no GPU: any ordinal names the one host arena
     finally:
         fastpin.configure(capacity=before[0], wait_timeout=before[1]["wait_timeout"])
         _runtime.settings.device = None
 
 
-# ---- environment variables, read when the configuration is first used --------------
+def test_configure_device_refused_cuda_n_and_took_an_absent_gpu(monkeypatch):
+    """Issue 26: configure(device="cuda:0") was refused though Loader takes
+    "cuda:N", and configure(device=5) was taken with no GPU present. It takes
+    what the Loader takes for a CUDA device ("cuda": the current one), and
+    refuses one this machine does not have."""
+    settings = _runtime.settings
+    try:
+        # A machine of two GPUs, as configure sees it.
+        monkeypatch.setattr(_arena, "cuda_available", lambda: True)
+        monkeypatch.setattr(_arena, "cuda_status",
+                            lambda: _arena.CudaStatus("ready", "ready", 12080, 2, "event"))
+        for given, index in [("cuda:1", 1), (1, 1), (np.int64(1), 1), (torch.device("cuda", 1), 1),
+                             ("cuda:0", 0), ("cuda", None), (torch.device("cuda"), None)]:
+            settings.device = 7
+            fastpin.configure(device=given)
+            assert settings.device == index and type(settings.device) in (int, type(None)), given
+        settings.device = 7
+        for given in ["cuda:2", 2, torch.device("cuda", 2), 2 ** 40]:
+            with pytest.raises(ValueError, match=r"device must be a CUDA device from 0 to 1 "
+                                                 r"\(this machine has 2\), not "):
+                fastpin.configure(device=given, on_full="raise")
+            assert settings.device == 7 and settings.on_full != "raise"  # nothing changed
+        monkeypatch.undo()
+        # This machine as it is.
+        settings.device = None
+        if fastpin.cuda_available():
+            count = fastpin.cuda_status().device_count
+            fastpin.configure(device=f"cuda:{count - 1}")
+            assert settings.device == count - 1
+            with pytest.raises(ValueError, match=rf"this machine has {count}\), not {count}"):
+                fastpin.configure(device=count)
+        else:
+            for given in [0, 5, "cuda:0", "cuda", torch.device("cuda", 0)]:
+                with pytest.raises(ValueError, match=r"device must be a CUDA device this machine "
+                                                     r"has, not .*: no usable CUDA GPU here \("):
+                    fastpin.configure(device=given)
+            assert settings.device is None
+    finally:
+        settings.device = None
+
+
+# ---- environment variables, checked at import ----------------------------------------
 
 # The fastpin this process imported (the installed one under `make test`, the
 # source tree built in place otherwise): the child imports the same one, from a
@@ -112,14 +155,28 @@ BAD_ENV = [
     ("FASTPIN_ALLOW_UNPINNED", "maybe", r"FASTPIN_ALLOW_UNPINNED='maybe': must be 1 or 0"),
     ("FASTPIN_NUMA", "maybe", r"FASTPIN_NUMA='maybe': must be 1 or 0"),
     ("FASTPIN_STREAMING", "fast", r"FASTPIN_STREAMING='fast': must be 1 or 0"),
+    ("FASTPIN_ZERO_COPY_MAX_BYTES", "-5", r"FASTPIN_ZERO_COPY_MAX_BYTES='-5': must be a number of bytes >= 1"),
+    ("FASTPIN_ZERO_COPY_MAX_BYTES", "0", r"FASTPIN_ZERO_COPY_MAX_BYTES='0': must be a number of bytes"),
+    ("FASTPIN_ZERO_COPY_MAX_BYTES", "lots", r"FASTPIN_ZERO_COPY_MAX_BYTES='lots': must be"),
+    ("FASTPIN_DISABLE_CUDA", "yes", r"FASTPIN_DISABLE_CUDA='yes': must be 1 \(never load the CUDA driver\) or 0"),
+    ("FASTPIN_DISABLE_CUDA", " 0", r"FASTPIN_DISABLE_CUDA=' 0': must be 1"),
+    ("FASTPIN_FENCE", "synch", r"FASTPIN_FENCE='synch': must be one of event, sync"),
+    ("FASTPIN_SYSFS_ROOT", "/no/such/sysfs", r"FASTPIN_SYSFS_ROOT='/no/such/sysfs': must be a directory"),
 ]
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name, value, message", BAD_ENV, ids=[f"{n}={v}" for n, v, _ in BAD_ENV])
-def test_bad_environment_fails_the_import_clearly(name, value, message):
-    r = import_with(**{name: value})
-    assert r.returncode != 0
+def test_settings_checked_late(name, value, message):
+    """Issue 26: FASTPIN_ARENA_BYTES=-5 (or 0) was accepted at import and failed
+    only at the first pin_memory. Every FASTPIN_* variable fastpin reads fails
+    `import fastpin` itself, with its name and what it may be."""
+    full = dict(os.environ, PYTHONPATH=FASTPIN_HOME + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                **{name: value})
+    r = subprocess.run([sys.executable, "-c", "import fastpin; print('imported')"],
+                       cwd=tempfile.gettempdir(), env=full, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "imported" not in r.stdout, r.stdout
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("ValueError: ")
     assert re.search(message, last), last
@@ -130,39 +187,31 @@ import numpy as np
 import fastpin
 from fastpin import _C
 print("imported", _C.get_threads())
-for _ in range(2):  # every use says so, not only the first
-    try:
-        fastpin.pin_memory(np.arange(100) * 3)
-    except ValueError as e:
-        print("raised", e)
+fastpin.pin_memory(np.arange(100) * 3)
 print("threads", _C.get_threads())
 """
 
 
 @pytest.mark.timeout(60)
-def test_import_reads_the_environment_and_does_nothing_else():
-    """Issue 17: importing fastpin neither raises on a bad environment variable
-    nor sizes the copy pool; the first use of the configuration does both."""
+def test_import_checks_the_environment_and_does_nothing_else():
+    """Issue 17: importing fastpin does not size the copy pool; the first use
+    of the configuration does (the import only checks the environment)."""
     full = dict(os.environ, PYTHONPATH=FASTPIN_HOME + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-    def run(**env):
-        r = subprocess.run([sys.executable, "-c", IMPORT_ONLY], cwd=tempfile.gettempdir(),
-                           env={**full, **env}, capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        return r.stdout.splitlines()
-
-    out = run(FASTPIN_ON_FULL="drop")
-    assert out[0].startswith("imported")
-    assert out[1:3] == ["raised FASTPIN_ON_FULL='drop': must be one of fallback, wait, raise"] * 2
     threads = _C.cpu_count() + 1  # never the pool's default size
-    out = run(FASTPIN_THREADS=str(threads))
+    r = subprocess.run([sys.executable, "-c", IMPORT_ONLY], cwd=tempfile.gettempdir(),
+                       env={**full, "FASTPIN_THREADS": str(threads)}, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
     assert out[0] != f"imported {threads}" and out[-1] == f"threads {threads}", out
 
 
 @pytest.mark.timeout(60)
 def test_good_environment_is_taken():
     r = import_with(FASTPIN_ARENA_BYTES=" 4096 ", FASTPIN_THREADS="2", FASTPIN_ON_FULL="raise",
-                    FASTPIN_ALLOW_UNPINNED="1", FASTPIN_NUMA="0", FASTPIN_STREAMING="0")
+                    FASTPIN_ALLOW_UNPINNED="1", FASTPIN_NUMA="0", FASTPIN_STREAMING="0",
+                    FASTPIN_ZERO_COPY_MAX_BYTES=" 1048576 ", FASTPIN_DISABLE_CUDA="0",
+                    FASTPIN_FENCE="sync", FASTPIN_SYSFS_ROOT=tempfile.gettempdir())
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["4096"]
 

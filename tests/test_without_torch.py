@@ -54,6 +54,29 @@ print("state", fastpin.cuda_status().state, fastpin.stats()["batches"])
     assert "state " in r.stdout and r.stdout.strip().endswith(" 1")
 
 
+def test_configure_device_without_torch(tmp_path):
+    """configure(device=...) takes the Loader's CUDA names with torch absent
+    (no torch.device can exist then), and refuses a GPU this machine lacks."""
+    r = child("""
+import fastpin
+for device in ("cuda:0", 0, "cuda"):
+    try:
+        fastpin.configure(device=device)
+    except ValueError as e:
+        assert not fastpin.cuda_available() and "no usable CUDA GPU here" in str(e), e
+    else:
+        assert fastpin.cuda_available(), device
+try:
+    fastpin.configure(device="cpu")
+except ValueError as e:
+    print("said:", e)
+print("torch", sys.modules.get("torch"))
+""", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "said: device must be a CUDA device ('cuda', 'cuda:N'" in r.stdout
+    assert r.stdout.strip().endswith("torch None")
+
+
 def test_collate_loader_install_without_torch_say_what_to_install(tmp_path):
     # Bug: a bare "ModuleNotFoundError: No module named 'torch'", no hint.
     r = child("""
