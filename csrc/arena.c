@@ -762,18 +762,12 @@ int fp_arena_stats(fp_arena_t *a, fp_arena_stats_t *s)
     if (status)
         return status;
     fp_pending_collect(a, 1);
-    s->capacity = m->capacity;
-    s->bytes_in_use = m->bytes_in_use;
-    s->bytes_requested = m->bytes_requested;
-    s->high_water = m->high_water;
-    s->bytes_pending = m->bytes_pending;
-    s->allocs = m->allocs;
-    s->failed = m->failed;
-    s->waits = m->waits;
-    s->lock_recoveries = m->lock_recoveries;
-    s->reclaimed = m->reclaimed;
-    s->blocks_in_use = m->blocks_in_use;
-    s->blocks_pending = m->blocks_pending;
+    /* Fields the metadata and the stats share, by name, copied as they are. */
+#define FP_COPY(field) s->field = m->field;
+    FP_COPY(capacity) FP_COPY(bytes_in_use) FP_COPY(bytes_requested) FP_COPY(high_water)
+    FP_COPY(bytes_pending) FP_COPY(allocs) FP_COPY(failed) FP_COPY(waits)
+    FP_COPY(lock_recoveries) FP_COPY(reclaimed) FP_COPY(blocks_in_use) FP_COPY(blocks_pending)
+#undef FP_COPY
     s->blocks_foreign = 0;
     for (uint32_t b = m->broken ? FP_NIL : 0; b != FP_NIL; b = m->blocks[b].phys_next)
         if (m->blocks[b].state == FP_BLOCK_USED && m->blocks[b].owner != 0 &&

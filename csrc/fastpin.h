@@ -38,7 +38,8 @@
  * to a list of CPUs. Which node and which CPUs (those of the GPU's PCI
  * device) is found in Python (fastpin/_numa.py); the core only applies it.
  *
- * Everything here is plain C: only module.c and dlpack.c include Python.h.
+ * Everything here is plain C: only the bindings (module.c, arena_type.c,
+ * block_type.c, batch.c) and dlpack.c include Python.h.
  * Functions return an int status (FP_OK on success) and leave a message in
  * a thread-local buffer (fp_error_message()); module.c turns it into an
  * exception.

@@ -1,6 +1,6 @@
-/* What the binding files of fastpin._C share (module.c, batch.c): the module
- * state, the two object types and the helpers that raise, find the copy pool
- * and wrap a lease. Not part of the core's interface (fastpin.h). Include it
+/* What the binding files of fastpin._C share (module.c, arena_type.c,
+ * block_type.c, batch.c): the module state, the two object types and the
+ * helpers that raise, read an argument, find the copy pool and wrap a lease. Not part of the core's interface (fastpin.h). Include it
  * after numpy/arrayobject.h (with the file's own NO_IMPORT_ARRAY choice):
  * fp_block_array takes a PyArray_Descr. */
 #ifndef FASTPIN_MODULE_H
@@ -61,12 +61,20 @@ typedef struct {
     fp_lease_t *lease; /* one reference; exports hold their own */
 } BlockObject;
 
+/* module.c */
 fp_state *fp_state_of_type(PyTypeObject *type);
 /* Raises the exception for a core status and returns NULL. */
 PyObject *fp_raise(fp_state *st, int status);
 /* The process's copy pool (made, or remade after fork or set_threads, on
  * first use); NULL with an exception set. Under the GIL. */
 fp_copier_t *fp_get_copier(fp_state *st);
+/* Reads `obj` (an int, or anything with __index__) into `out` if it lies in
+ * [lo, hi]; else raises (naming the argument and what it may be) and returns -1. */
+int fp_u64_arg(PyObject *obj, const char *name, uint64_t lo, uint64_t hi,
+               const char *allowed, uint64_t *out);
+
+/* block_type.c */
+extern PyType_Spec Block_spec;
 /* A Block owning the lease's reference (dropped on failure). */
 PyObject *Block_wrap(fp_state *st, fp_lease_t *lease);
 /* A writeable ndarray over `block` (a Block) at `offset`, based on the
@@ -74,6 +82,9 @@ PyObject *Block_wrap(fp_state *st, fp_lease_t *lease);
  * caller has checked the extent. A new reference, or NULL. */
 PyObject *fp_block_array(PyObject *block, PyArray_Descr *descr, int ndim, const int64_t *shape,
                          const int64_t *strides, uint64_t offset);
+
+/* arena_type.c */
+extern PyType_Spec Arena_spec;
 /* Allocates `total` bytes of `arena` and copies copies[i] (n entries; a NULL
  * source or 0 bytes skipped) to offsets[i] in it, with the GIL released; the
  * dst fields are filled here. *lease is the new block, or NULL with an

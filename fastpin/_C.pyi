@@ -1,6 +1,7 @@
-# Type stubs of fastpin._C, the C extension (csrc/module.c). Keep in step with
-# the bindings: tests/test_ecosystem.py checks that every public name of the
-# built module is declared here, and type-checks a usage snippet with mypy.
+# Type stubs of fastpin._C, the C extension (csrc/module.c, arena_type.c,
+# block_type.c, batch.c). Keep in step with the bindings: tests/test_ecosystem.py
+# checks that every public name of the built module is declared here, and
+# type-checks a usage snippet with mypy.
 from collections.abc import Sequence
 from typing import Any, Literal, TypedDict, final
 
