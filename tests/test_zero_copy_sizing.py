@@ -6,6 +6,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import threading
 import time
 
 import pytest
@@ -175,6 +176,36 @@ def test_a_worker_whose_view_of_the_pool_is_stale_reads_it_again_before_it_falls
     assert not arena_full_warnings(caplog)
     assert not no_default_arena, "the main process made its default arena"
     del loader, dl, b, x
+
+
+def test_a_request_another_worker_overwrote_is_made_again(monkeypatch, small_memory,
+                                                         nothing_left_behind):
+    # Workers state their request with a plain read, then write: one asking
+    # for a smaller block can overwrite a larger request before the main
+    # process reads it. The worker that asked for more used to wait for
+    # GROW_WAIT_S, then fall back; it states its request again instead.
+    monkeypatch.setattr(_segments, "GROW_WAIT_S", 10.0)
+    loader = fastpin.Loader(DataLoader(Samples(8, 1024), batch_size=4, num_workers=1),
+                            device=None, zero_copy=True)
+    pool = loader._pool
+    view = _segments.directory_for(pool.directory, pool.carried, _zerocopy._attach)
+    small, large = _C.block_size(64 * 1024), _C.block_size(MB)
+    answers = []
+    with pool.lock:                          # the main process is busy: it reads nothing yet
+        asker = threading.Thread(target=lambda: answers.append(view.ask(large)))
+        asker.start()
+        deadline = time.monotonic() + 10
+        while _segments._word(pool.view, _segments._DIR_WANTED) < large:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        _segments._set_word(pool.view, _segments._DIR_WANTED, small)   # the other worker
+    asker.join(20)
+    assert answers == [True]
+    assert pool.capacity >= _zerocopy.capacity_for(loader.loader, large, loader.depth)
+    assert view.refresh() and view.arenas[0].capacity >= large
+    check(loader, 8, 1024)
+    assert loader.stats()["fallbacks"] == 0
+    del loader, pool, view
 
 
 def test_no_workers_sizes_itself(small_memory, nothing_left_behind):
