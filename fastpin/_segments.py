@@ -325,6 +325,9 @@ class Pool:
                 self._cap_reached()
                 return
             self._add(arena)
+            # The entry, then the count, then served, in this order: a worker
+            # reads served before the list, so a pool it finds served for its
+            # batch lists the segment that was made for it.
             at = _DIR_ENTRIES + 24 * (len(self.segments) - 1)
             _set_word(view, at, arena.fd)
             _set_word(view, at + 8, arena.token)
