@@ -85,7 +85,9 @@ class _Directory:
         self.seen = 0
         self.arenas: list = []   # newest first
 
-    def refresh(self) -> None:
+    def refresh(self) -> list:
+        """Attach the segments added since the last look; returns them, newest first."""
+        before = self.seen
         count = min(_word(self.map, _DIR_COUNT), _MAX_SEGMENTS)
         while self.seen < count:
             at = _DIR_ENTRIES + 24 * self.seen
@@ -97,13 +99,14 @@ class _Directory:
                 try:
                     local = _open_segment(self.creator, fd)
                 except OSError:
-                    return  # not reachable from here: batches that need it fall back
+                    break  # not reachable from here: batches that need it fall back
                 try:
                     own = self.attach(local, token)
                 finally:
                     os.close(local)
             self.arenas.insert(0, own)
             self.seen += 1
+        return self.arenas[:self.seen - before]
 
     def may_grow(self, need: int) -> bool:
         """Whether the main process has yet to size the pool for blocks of `need`."""
@@ -111,28 +114,34 @@ class _Directory:
 
     def ask(self, need: int) -> bool:
         """Ask for room for blocks of `need` bytes; wait (bounded) for the answer.
-        True when the pool grew (or was sized for `need`), so packing may succeed."""
-        # Racy between workers (a plain read then write): a lost request is
-        # made again by the next batch that finds no room.
-        if _word(self.map, _DIR_WANTED) < need:
-            _set_word(self.map, _DIR_WANTED, need)
-        try:
-            os.eventfd_write(self.wake, 1)
-        except OSError:
-            return False
+        True when the pool grew (or was sized for `need`, or can grow no more):
+        its new segments are then in the list refresh() reads."""
         deadline = time.monotonic() + GROW_WAIT_S
-        delay = 0.0005
+        delay, wake = 0.0005, True
         while time.monotonic() < deadline and not _word(self.map, _DIR_CLOSED):
             if _word(self.map, _DIR_SERVED) >= need:   # grown for it, or at the cap
-                self.refresh()
                 return True
+            # Racy between workers (a plain read, then write): a request that
+            # another worker's smaller one overwrote is made again.
+            if _word(self.map, _DIR_WANTED) < need:
+                _set_word(self.map, _DIR_WANTED, need)
+                wake = True
+            if wake:
+                try:
+                    os.eventfd_write(self.wake, 1)
+                except OSError:
+                    return False
+                wake = False
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
         return False
 
     def count_fallback(self) -> None:
-        # Before the pool has a segment to count in; racy, so a lower bound.
-        _set_word(self.map, _DIR_FALLBACKS, _word(self.map, _DIR_FALLBACKS) + 1)
+        if self.arenas:
+            self.arenas[0].count_fallback()
+        else:
+            # Before this worker has a segment to count in; racy, so a lower bound.
+            _set_word(self.map, _DIR_FALLBACKS, _word(self.map, _DIR_FALLBACKS) + 1)
 
 
 _directories = process.directories   # pool id -> _Directory, in workers
@@ -312,6 +321,9 @@ class Pool:
                 self._cap_reached()
                 return
             self._add(arena)
+            # The entry, then the count, then served, in this order: a worker
+            # reads served before the list, so a pool it finds served for its
+            # batch lists the segment that was made for it.
             at = _DIR_ENTRIES + 24 * (len(self.segments) - 1)
             _set_word(view, at, arena.fd)
             _set_word(view, at + 8, arena.token)

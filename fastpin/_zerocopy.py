@@ -244,19 +244,24 @@ class _WorkerCollate:
                 except _C.ArenaFullError:
                     continue
                 return _Shipped(arena.token, block.index, block.nbytes, shipped, block)
-            if directory is None or asked:
+            if directory is None:
                 break
             need = _C.block_size(max(_plan(tree)[2].nbytes, 1))
-            if not directory.may_grow(need):
+            # Whether the pool is sized for `need` is read before the segment
+            # list is read again (the main process lists a segment before it
+            # marks the pool served): a pool another worker had grown since this
+            # one last looked shows its new segments, which are tried first.
+            grow = not asked and directory.may_grow(need)
+            arenas = directory.refresh()
+            if arenas:
+                continue
+            if not grow or not directory.ask(need):
                 break
             asked = True
-            if not directory.ask(need):
-                break
-            arenas = directory.arenas
-        if arenas:
-            arenas[0].count_fallback()
-        elif directory is not None:
+        if directory is not None:
             directory.count_fallback()
+        elif arenas:
+            arenas[0].count_fallback()
         return _stack_now(tree) if self.collate_fn is None else tree
 
 

@@ -4,16 +4,20 @@ its cap, and a full arena still falls back. CPU only (the memory is shared,
 just not page-locked); the cap is lowered to keep the memory small."""
 import gc
 import logging
+import multiprocessing
 import os
+import threading
+import time
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 import fastpin
 from fastpin import _C, _segments, _zerocopy
 
 from conftest import assert_same, gpu, patterned
+from test_loader_stats import no_default_arena  # noqa: F401 - a fixture
 from test_zero_copy_reuse import nothing_left_behind  # noqa: F401 - a fixture
 
 MB = 1 << 20
@@ -81,6 +85,127 @@ def test_default_settings_fit_batches_the_old_default_did_not(method, persistent
     assert stats["pool_capacity"] > 8 * MB
     assert len(loader._pool.segments) == 1          # sized once, for the whole run
     del loader, dl, stats
+
+
+def arena_full_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if "arena full" in r.getMessage()]
+
+
+def test_first_batches_of_a_fast_dataset_never_fall_back_nor_say_the_arena_is_full(
+        small_memory, no_default_arena, caplog, nothing_left_behind):
+    # Samples already in memory: the second worker's first batch comes while
+    # the first one's request grows the pool. A worker that had read the
+    # segment list just before (many leaves make the time from there to its
+    # own request long) used to fall back ("found the shared arena full", the
+    # pool sized and empty), and the main process made its default arena to
+    # pin that batch by copy.
+    leaves, numel = 512, 200         # batches of 3.3 MB, the pool sized to 40 MB
+    every = patterned((40, leaves, numel), torch.float32, seed=1)
+    data = [{"x": list(every[i]), "i": i} for i in range(40)]
+    with caplog.at_level(logging.WARNING, logger="fastpin"):
+        for run in range(24):        # a fresh Loader (an empty pool) each time
+            dl = DataLoader(data, batch_size=8, num_workers=2)
+            loader = fastpin.Loader(dl, device=None, zero_copy=True)
+            seen = []
+            for b in loader:
+                for j, x in enumerate(b["x"]):
+                    assert_same(x, every[b["i"], j])
+                seen += b["i"].tolist()
+            assert sorted(seen) == list(range(40))
+            assert loader.stats()["fallbacks"] == 0, f"run {run}: {loader.stats()}"
+            del loader, dl, b, x
+    assert not arena_full_warnings(caplog)
+    assert not no_default_arena, "the main process made its default arena"
+
+
+def _stale_worker(monkeypatch):
+    """Patches the forked workers inherit: worker 1, about to ask for room,
+    stops (as if preempted) until another worker has had the pool grown since
+    worker 1 last read the segment list; worker 0 asks only once worker 1 is
+    there. Each wait is bounded: at worst the interleaving is not forced."""
+    stale = multiprocessing.get_context("fork").Event()
+    may_grow, ask = _segments._Directory.may_grow, _segments._Directory.ask
+
+    def wait(ready, seconds=10.0):
+        deadline = time.monotonic() + seconds
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def slow_may_grow(self, need):
+        if get_worker_info() is not None and get_worker_info().id == 1:
+            seen = self.seen
+            stale.set()
+            wait(lambda: _segments._word(self.map, _segments._DIR_COUNT) > seen)
+        return may_grow(self, need)
+
+    def late_ask(self, need):
+        if get_worker_info() is not None and get_worker_info().id == 0:
+            wait(stale.is_set)
+            stale.clear()
+        return ask(self, need)
+
+    monkeypatch.setattr(_segments._Directory, "may_grow", slow_may_grow)
+    monkeypatch.setattr(_segments._Directory, "ask", late_ask)
+
+
+@pytest.mark.parametrize("growing", [False, True])
+def test_a_worker_whose_view_of_the_pool_is_stale_reads_it_again_before_it_falls_back(
+        growing, monkeypatch, small_memory, no_default_arena, caplog, nothing_left_behind):
+    # The interleaving the test above meets by chance, forced: another worker
+    # grew the pool after this one read the segment list, at the first
+    # segment (the list was empty) or at a later one (its segments are too
+    # small for the batch). Either way the pool was already sized for it.
+    _stale_worker(monkeypatch)
+    small, large = 1024, 4 * MB // 4 // 8
+
+    def numel(i):
+        return large if growing and i >= 24 else small
+
+    data = [{"x": expected(i, numel(i)), "i": i} for i in range(48)]
+    dl = DataLoader(data, batch_size=8, num_workers=2, multiprocessing_context="fork")
+    loader = fastpin.Loader(dl, device=None, zero_copy=True)
+    with caplog.at_level(logging.WARNING, logger="fastpin"):
+        seen = []
+        for b in loader:
+            for x, i in zip(b["x"], b["i"].tolist()):
+                assert_same(x, expected(i, numel(i)))
+                seen.append(i)
+    assert sorted(seen) == list(range(48))
+    assert loader.stats()["fallbacks"] == 0, loader.stats()
+    assert len(loader._pool.segments) == (2 if growing else 1)
+    assert not arena_full_warnings(caplog)
+    assert not no_default_arena, "the main process made its default arena"
+    del loader, dl, b, x
+
+
+def test_a_request_another_worker_overwrote_is_made_again(monkeypatch, small_memory,
+                                                         nothing_left_behind):
+    # Workers state their request with a plain read, then write: one asking
+    # for a smaller block can overwrite a larger request before the main
+    # process reads it. The worker that asked for more used to wait for
+    # GROW_WAIT_S, then fall back; it states its request again instead.
+    monkeypatch.setattr(_segments, "GROW_WAIT_S", 10.0)
+    loader = fastpin.Loader(DataLoader(Samples(8, 1024), batch_size=4, num_workers=1),
+                            device=None, zero_copy=True)
+    pool = loader._pool
+    view = _segments.directory_for(pool.directory, pool.carried, _zerocopy._attach)
+    small, large = _C.block_size(64 * 1024), _C.block_size(MB)
+    answers = []
+    with pool.lock:                          # the main process is busy: it reads nothing yet
+        asker = threading.Thread(target=lambda: answers.append(view.ask(large)))
+        asker.start()
+        deadline = time.monotonic() + 10
+        while _segments._word(pool.view, _segments._DIR_WANTED) < large:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        _segments._set_word(pool.view, _segments._DIR_WANTED, small)   # the other worker
+    asker.join(20)
+    assert answers == [True]
+    assert pool.capacity >= _zerocopy.capacity_for(loader.loader, large, loader.depth)
+    assert view.refresh() and view.arenas[0].capacity >= large
+    check(loader, 8, 1024)
+    assert loader.stats()["fallbacks"] == 0
+    del loader, pool, view
 
 
 def test_no_workers_sizes_itself(small_memory, nothing_left_behind):
