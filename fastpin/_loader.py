@@ -269,10 +269,13 @@ class Loader:
 def _zero_copy_applies(loader) -> bool:
     """zero_copy's default: a DataLoader with worker processes (unless
     FASTPIN_ZERO_COPY=0); other sources, and a DataLoader without workers, take
-    the copying path."""
+    the copying path. An object that only passes for a DataLoader (Accelerate's
+    DataLoaderShard wraps one: isinstance says yes, its type does not) iterates
+    another DataLoader than the view zero-copy would make of it."""
     from torch.utils.data import DataLoader
 
-    return isinstance(loader, DataLoader) and loader.num_workers > 0 and settings.zero_copy
+    return (issubclass(type(loader), DataLoader) and loader.num_workers > 0
+            and settings.zero_copy)
 
 
 class _Producer:
