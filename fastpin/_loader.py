@@ -76,10 +76,9 @@ class Loader:
     zero_copy: the DataLoader's workers collate straight into a shared, page-locked
         arena, so the main process copies nothing. Default (None): on for a
         DataLoader with workers and no `arena` given (FASTPIN_ZERO_COPY=0 turns the
-        default off), and wherever `capacity` is given; other sources (lists,
-        generators, num_workers=0) take the copying path; False opts out. With
-        no `capacity` (or `arena`) given, the arena sizes itself: it takes no memory until the first batch,
-        then grows (by adding registered segments, made in this process, that the
+        default off); other sources (lists, generators, num_workers=0) take the
+        copying path; False opts out. With no `capacity` (or `arena`) given, the
+        arena sizes itself: it takes no memory until the first batch, then grows (by adding registered segments, made in this process, that the
         workers open) to what the workers have in flight for the batches they
         make, capacity_for(): (num_workers x prefetch_factor + depth + 6) blocks
         of the largest batch, never past `max_capacity` (default
@@ -112,7 +111,7 @@ class Loader:
 
         depth = check_int("fastpin.Loader: depth", depth, 0, None, "0 (no prefetch) or more batches")
         if zero_copy is None:
-            zero_copy = capacity is not None or (arena is None and _zero_copy_applies(loader))
+            zero_copy = arena is None and _zero_copy_applies(loader)
         elif not isinstance(zero_copy, bool):
             raise TypeError(f"fastpin.Loader: zero_copy must be True or False, not {zero_copy!r}")
         if arena is not None and not isinstance(arena, _C.Arena):
