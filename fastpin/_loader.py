@@ -78,8 +78,9 @@ class Loader:
         DataLoader with workers and no `arena` given (FASTPIN_ZERO_COPY=0 turns the
         default off); other sources (lists, generators, num_workers=0) take the
         copying path; False opts out. With no `capacity` (or `arena`) given, the
-        arena sizes itself: it takes no memory until the first batch, then grows (by adding registered segments, made in this process, that the
-        workers open) to what the workers have in flight for the batches they
+        arena sizes itself: it takes no memory until the first batch, then grows
+        (by adding registered segments, made in this process, that the workers
+        open) to what the workers have in flight for the batches they
         make, capacity_for(): (num_workers x prefetch_factor + depth + 6) blocks
         of the largest batch, never past `max_capacity` (default
         fastpin._zerocopy.default_cap(): FASTPIN_ZERO_COPY_MAX_BYTES, else a
