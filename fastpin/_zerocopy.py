@@ -19,6 +19,10 @@ DataLoader as it was. The collate_fn a worker runs is fixed when the worker
 starts: persistent workers keep theirs for their lifetime, so the view (which
 holds them) and the arena they write into live as long as the Loader does.
 
+fastpin.install() gives DataLoader iterators the same collate_fn (_install):
+what their workers ship is adopted as it is unpickled, and handed on as the
+pin thread's PinnedInWorkers, or as its views where no pin thread runs.
+
 The arena sizes itself unless the user gives its capacity (_segments.Pool:
 it starts empty and adds segments, shared arenas registered once, as the
 workers ask for room through a small shared directory).
