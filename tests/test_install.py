@@ -598,8 +598,17 @@ def test_install_zero_copy_false_copies(accelerator):
 
 
 class Killing(PatternDataset):
+    """Kills its worker at sample 13, once the worker's queue thread has sent
+    its earlier batches: a worker killed in the middle of that send holds the
+    result queue's lock forever (stock DataLoader: the pin thread then fails
+    with EOFError, or the queue thread of the main process hangs on the lock,
+    holding the queue's pipe; not fastpin's to test)."""
+
     def __getitem__(self, i):
         if i == 13 and get_worker_info() is not None:
+            import time
+
+            time.sleep(0.3)
             os.kill(os.getpid(), 9)
         return super().__getitem__(i)
 
