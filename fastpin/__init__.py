@@ -1,7 +1,8 @@
 """fastpin: pinned-memory batches for PyTorch at the speed of the bus.
 
     import fastpin
-    fastpin.install()                     # DataLoader(pin_memory=True) pins through fastpin
+    fastpin.install()                     # DataLoader(pin_memory=True): workers collate
+                                          # into fastpin's shared pinned arena
     batch = fastpin.pin_memory(batch)     # same structure, leaves page-locked
 """
 from __future__ import annotations

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Optional
 
 from . import _C, _graphs, _modes, _numa, _torch
 from ._arena import cuda_available, default_arena, device_index
-from ._runtime import check_capacity, check_int, process
+from ._runtime import check_capacity, check_int, process, settings
 
 log = logging.getLogger("fastpin")
 
@@ -74,10 +74,13 @@ class Loader:
         pinned, in the consumer's own thread when next() asks for it, as the plain
         loop would (safe with sources that reuse their buffers).
     zero_copy: the DataLoader's workers collate straight into a shared, page-locked
-        arena, so the main process copies nothing. With no `capacity` (or `arena`)
-        given, the arena sizes itself: it takes no memory until the first batch,
-        then grows (by adding registered segments, made in this process, that the
-        workers open) to what the workers have in flight for the batches they
+        arena, so the main process copies nothing. Default (None): on for a
+        DataLoader with workers and no `arena` given (FASTPIN_ZERO_COPY=0 turns the
+        default off); other sources (lists, generators, num_workers=0) take the
+        copying path; False opts out. With no `capacity` (or `arena`) given, the
+        arena sizes itself: it takes no memory until the first batch, then grows
+        (by adding registered segments, made in this process, that the workers
+        open) to what the workers have in flight for the batches they
         make, capacity_for(): (num_workers x prefetch_factor + depth + 6) blocks
         of the largest batch, never past `max_capacity` (default
         fastpin._zerocopy.default_cap(): FASTPIN_ZERO_COPY_MAX_BYTES, else a
@@ -103,12 +106,14 @@ class Loader:
     """
 
     def __init__(self, loader: Iterable, device: Any = "cuda", depth: int = 2, *,
-                 arena: Optional[_C.Arena] = None, zero_copy: bool = False,
+                 arena: Optional[_C.Arena] = None, zero_copy: Optional[bool] = None,
                  capacity: Optional[int] = None, max_capacity: Optional[int] = None):
         torch = _torch.require("fastpin.Loader")
 
         depth = check_int("fastpin.Loader: depth", depth, 0, None, "0 (no prefetch) or more batches")
-        if not isinstance(zero_copy, bool):
+        if zero_copy is None:
+            zero_copy = arena is None and _zero_copy_applies(loader)
+        elif not isinstance(zero_copy, bool):
             raise TypeError(f"fastpin.Loader: zero_copy must be True or False, not {zero_copy!r}")
         if arena is not None and not isinstance(arena, _C.Arena):
             raise TypeError("fastpin.Loader: arena must be a fastpin._C.Arena or None, not "
@@ -259,6 +264,18 @@ class Loader:
         if arena is None and not (self.device is not None and self.device.type == "cpu"):
             arena = made_default_arena(self._index if self._index >= 0 else None)
         return self._stats.as_dict(arena.stats() if arena is not None else None)
+
+
+def _zero_copy_applies(loader) -> bool:
+    """zero_copy's default: a DataLoader with worker processes (unless
+    FASTPIN_ZERO_COPY=0); other sources, and a DataLoader without workers, take
+    the copying path. An object that only passes for a DataLoader (Accelerate's
+    DataLoaderShard wraps one: isinstance says yes, its type does not) iterates
+    another DataLoader than the view zero-copy would make of it."""
+    from torch.utils.data import DataLoader
+
+    return (issubclass(type(loader), DataLoader) and loader.num_workers > 0
+            and settings.zero_copy)
 
 
 class _Producer:

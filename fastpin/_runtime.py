@@ -2,7 +2,7 @@
 
     settings    the configuration: fastpin.configure() over the FASTPIN_*
                 environment (capacity, threads, device, on_full, wait_timeout,
-                allow_unpinned, numa)
+                allow_unpinned, numa, streaming, zero_copy)
     process     what belongs to this process alone: its default arenas, the
                 shared arenas it made or attached, where it pinned the copy
                 threads, its running Loader threads, whether CUDA is usable
@@ -147,6 +147,8 @@ def read_environment() -> dict:
         "allow_unpinned": env_flag("FASTPIN_ALLOW_UNPINNED", False),
         "numa": env_flag("FASTPIN_NUMA", True),
         "streaming": env_flag("FASTPIN_STREAMING", True),
+        # install() and Loader(dl) collate in the workers (zero-copy) by default.
+        "zero_copy": env_flag("FASTPIN_ZERO_COPY", True),
     }
 
 
@@ -171,7 +173,7 @@ class Settings:
     __getattr__ loads them; from then on they are plain attributes."""
 
     FIELDS = ("capacity", "threads", "device", "on_full", "wait_timeout", "allow_unpinned",
-              "numa", "streaming")
+              "numa", "streaming", "zero_copy")
 
     def __getattr__(self, name: str):
         if name not in Settings.FIELDS:
@@ -224,11 +226,13 @@ class Process:
         self.pools: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self.pinned: dict = {}       # NUMA node -> the CPUs the copy pool is pinned to for it
         self.producers: "weakref.WeakSet[Any]" = weakref.WeakSet()  # Loader threads running
+        # install(): DataLoader -> (CUDA ordinal, the zero-copy Pool of its iterators).
+        self.installed_pools: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
         self.reset()
 
     def reset(self) -> None:
         for registry in (self.arenas, self.shared, self.attached, self.directories, self.pools,
-                         self.pinned, self.producers):
+                         self.pinned, self.producers, self.installed_pools):
             registry.clear()
         self.cuda_ready: Optional[bool] = None  # _C.cuda_status() says "ready"; asked once
         self.exiting = False  # the interpreter is exiting: Loader threads stop, none joined

@@ -315,7 +315,7 @@ class Pool:
             try:
                 arena = self.make(add)
             except (_C.FastpinError, OSError) as e:
-                log.warning("fastpin.Loader(zero_copy=True): could not add %d bytes to the shared "
+                log.warning("fastpin zero-copy: could not add %d bytes to the shared "
                             "arena (%s); it stays at %d bytes, and batches that do not fit are "
                             "pinned by copy", add, str(e), have)
                 self._cap_reached()

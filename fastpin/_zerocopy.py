@@ -19,6 +19,10 @@ DataLoader as it was. The collate_fn a worker runs is fixed when the worker
 starts: persistent workers keep theirs for their lifetime, so the view (which
 holds them) and the arena they write into live as long as the Loader does.
 
+fastpin.install() gives DataLoader iterators the same collate_fn (_install):
+what their workers ship is adopted as it is unpickled, and handed on as the
+pin thread's PinnedInWorkers, or as its views where no pin thread runs.
+
 The arena sizes itself unless the user gives its capacity (_segments.Pool:
 it starts empty and adds segments, shared arenas registered once, as the
 workers ask for room through a small shared directory).
@@ -47,6 +51,7 @@ from ._segments import (  # noqa: F401 - the names the Loader, the bench and tes
     Pool,
     _arenas,
     _memory_bytes,
+    _pools,
     _registry,
     batches_ahead,
     capacity_for,
@@ -112,17 +117,28 @@ def _placeable(x) -> bool:
     return type(x) is np.ndarray or type(x) is Stack
 
 
-def _plan(tree):
+def _pins_itself(x) -> bool:
+    """install(): an object with its own pin_memory() (no tensor or array) is not
+    walked into; it travels as it is, and the pin thread asks it to pin itself,
+    as torch's does."""
+    return not isinstance(x, (torch.Tensor, np.ndarray)) and _leaves.is_leaf(x)
+
+
+def _placeable_or_self_pinning(x) -> bool:
+    return _placeable(x) or _pins_itself(x)
+
+
+def _plan(tree, is_leaf=_placeable):
     """One walk of `tree` (placeholders stacked in place) and where its leaves
     go in one block: (spec, leaves, plan). Workers never touch CUDA."""
-    spec, leaves = flatten(tree, _placeable)
+    spec, leaves = flatten(tree, is_leaf)
     return spec, leaves, Plan(leaves, keep_pinned=False)
 
 
-def _pack(tree, arena: _C.Arena):
+def _pack(tree, arena: _C.Arena, is_leaf=_placeable):
     """Copy every tensor/array leaf of `tree` (placeholders stacked in place) into
     one new block; returns (block, tree of _Ref). Raises ArenaFullError."""
-    spec, leaves, plan = _plan(tree)
+    spec, leaves, plan = _plan(tree, is_leaf)
     block, _ = arena.pin(plan.sources, 1)
     plan.fill(block)
     refs = [x if layout is None else _Ref(offset, layout, getattr(x, "requires_grad", False))
@@ -133,11 +149,12 @@ def _pack(tree, arena: _C.Arena):
 class _Shipped:
     """What crosses the result queue: the block and where each leaf lies in it."""
 
-    __slots__ = ("token", "index", "nbytes", "tree", "block")
+    __slots__ = ("token", "index", "nbytes", "tree", "block", "ship")
 
-    def __init__(self, token, index, nbytes, tree, block=None):
+    def __init__(self, token, index, nbytes, tree, block=None, ship=None):
         self.token, self.index, self.nbytes, self.tree = token, index, nbytes, tree
         self.block = block  # the worker's hold, given up once pickled
+        self.ship = ship    # None: for a Loader; install(): (pool id, pin thread)
 
     def __reduce__(self):
         if self.block is not None:
@@ -145,6 +162,8 @@ class _Shipped:
             # free it when its Block object dies.
             self.block.detach()
             self.block = None
+        if self.ship is not None:
+            return (_adopt_installed, (self.token, self.index, self.nbytes, self.tree, *self.ship))
         return (_adopt, (self.token, self.index, self.nbytes, self.tree))
 
     def pin_memory(self):
@@ -163,6 +182,23 @@ class Adopted:
         return self
 
 
+class PinnedInWorkers(Adopted):
+    """install(), with DataLoader's pin thread: a batch its worker placed in the
+    shared arena, made into its host views by the pin thread, whichever pin
+    function is installed when it arrives (after uninstall() too). The leaves
+    the worker could not place (objects with their own pin_memory() among them)
+    go through that pin function, as with the stock DataLoader."""
+
+    __slots__ = ()
+
+    def pin_memory(self, device=None):
+        from torch.utils.data._utils import pin_memory as torch_pin
+
+        block, pin = self.block, torch_pin.pin_memory
+        return map_leaves(self.tree, lambda x: type(x) is _Ref or _leaves.is_leaf(x),
+                          lambda x: _leaf_out(block, x) if type(x) is _Ref else pin(x))
+
+
 def _adopt(token, index, nbytes, tree):
     arena = _registry().get(token)
     if arena is None:
@@ -170,6 +206,19 @@ def _adopt(token, index, nbytes, tree):
             "fastpin: a batch arrived from a zero-copy worker, but its arena is not known in "
             "this process (unpickled outside the Loader that made it?)")
     return Adopted(arena.adopt(index, nbytes), tree)
+
+
+def _adopt_installed(token, index, nbytes, tree, pool, pin_thread):
+    """A batch of an iterator fastpin.install() set up, as it is unpickled in the
+    main process (the pin thread, or the iterator itself where none runs): for
+    the pin thread to make into views (PinnedInWorkers), or its views now."""
+    own = _pools.get(pool)
+    if own is not None:
+        own.collect()  # only this process can see the GPU finish with blocks
+    batch = _adopt(token, index, nbytes, tree)
+    if pin_thread:
+        return PinnedInWorkers(batch.block, tree)
+    return receive(batch)[0]
 
 
 def _attach(fd: int, token: int) -> _C.Arena:
@@ -198,10 +247,12 @@ class _WorkerCollate:
     segments added since) and, for a self-sizing pool, of its directory, through
     which a worker asks for room and finds the segments added while it runs."""
 
-    def __init__(self, collate_fn: Optional[Callable], segments, directory=None):
+    def __init__(self, collate_fn: Optional[Callable], segments, directory=None, ship=None):
         self.collate_fn = collate_fn  # None: default_collate
         self.segments = segments      # [(fd, token)], newest first
         self.directory = directory    # None, or (pool id, dir fd, wake fd, creator pid)
+        self.ship = ship              # None: for a Loader; install(): (pool id, pin thread)
+        self.is_leaf = _placeable if ship is None else _placeable_or_self_pinning
 
     def __reduce__(self):
         # spawn / forkserver: each memfd travels as a file descriptor.
@@ -211,15 +262,15 @@ class _WorkerCollate:
             directory = (pool, reduction.DupFd(dir_fd), reduction.DupFd(wake), creator)
         return (_WorkerCollate._rebuild,
                 (self.collate_fn, [(reduction.DupFd(fd), token) for fd, token in self.segments],
-                 directory))
+                 directory, self.ship))
 
     @staticmethod
-    def _rebuild(collate_fn, segments, directory):
+    def _rebuild(collate_fn, segments, directory, ship):
         if directory is not None:
             pool, dir_fd, wake, creator = directory
             directory = (pool, dir_fd.detach(), wake.detach(), creator)
         return _WorkerCollate(collate_fn, [(dup.detach(), token) for dup, token in segments],
-                              directory)
+                              directory, ship)
 
     def _arenas(self) -> tuple:
         """(the arenas to try, newest first; this pool's directory or None)."""
@@ -240,13 +291,13 @@ class _WorkerCollate:
         while True:
             for arena in arenas:
                 try:
-                    block, shipped = _pack(tree, arena)
+                    block, shipped = _pack(tree, arena, self.is_leaf)
                 except _C.ArenaFullError:
                     continue
-                return _Shipped(arena.token, block.index, block.nbytes, shipped, block)
+                return _Shipped(arena.token, block.index, block.nbytes, shipped, block, self.ship)
             if directory is None:
                 break
-            need = _C.block_size(max(_plan(tree)[2].nbytes, 1))
+            need = _C.block_size(max(_plan(tree, self.is_leaf)[2].nbytes, 1))
             # Whether the pool is sized for `need` is read before the segment
             # list is read again (the main process lists a segment before it
             # marks the pool served): a pool another worker had grown since this
@@ -265,11 +316,14 @@ class _WorkerCollate:
         return _stack_now(tree) if self.collate_fn is None else tree
 
 
-def wrap_collate(collate_fn: Optional[Callable], pool: "Pool") -> _WorkerCollate:
-    """The collate_fn for workers that write into `pool`'s segments."""
+def wrap_collate(collate_fn: Optional[Callable], pool: "Pool",
+                 ship: Optional[tuple] = None) -> _WorkerCollate:
+    """The collate_fn for workers that write into `pool`'s segments. ship: None
+    for a Loader (it adopts what arrives); for install(), (pool id, whether the
+    DataLoader runs a pin thread): see _adopt_installed."""
     if collate_fn is default_collate:
         collate_fn = None
-    return _WorkerCollate(collate_fn, pool.carried, pool.directory)
+    return _WorkerCollate(collate_fn, pool.carried, pool.directory, ship)
 
 
 def dataloader_view(loader, collate_fn: Callable):

@@ -264,7 +264,7 @@ class TaggedLoader(DataLoader):
 def test_subclass_with_install(accelerator, workers):
     loader = TaggedLoader(Samples(), batch_size=BATCH, num_workers=workers, pin_memory=True,
                           tag="train")
-    fastpin.install()
+    fastpin.install(zero_copy=False)  # pinned by copy, in the default arena
     try:
         batches = list(loader)
     finally:
@@ -311,7 +311,9 @@ def test_stateful_dataloader_state_passes_through(workers):
         return StatefulDataLoader(Samples(), batch_size=BATCH, num_workers=workers)
 
     inner = make()
-    loader = fastpin.Loader(inner, device=None, depth=1)
+    # Copying: the Loader iterates `inner` itself (zero-copy iterates a view of
+    # it, whose state the Loader's state_dict() gives).
+    loader = fastpin.Loader(inner, device=None, depth=1, zero_copy=False)
     it = iter(loader)
     for k in range(2):
         check_batch(next(it), k * BATCH)

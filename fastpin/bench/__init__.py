@@ -31,6 +31,8 @@ The seven workload cases go through every path that applies (--path, repeatable)
   loader_cuda   fastpin.Loader(loader, device="cuda"): batches arrive on the GPU
   zero_copy     fastpin.Loader(loader, zero_copy=True): workers collate into the
                 shared pinned arena (device "cuda", or None where there is no GPU)
+  install       DataLoader(pin_memory=True) after fastpin.install(): the same
+                zero-copy collation, the pin thread hands the batch over; then .to()
 
 Figures per path: delivered GB/s; step time with --compute-ms of simulated compute
 per step (a GPU kernel that spins for that long; with no GPU, the main thread

@@ -10,6 +10,7 @@ through this registry, and nothing else names them."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import fastpin
@@ -220,7 +221,7 @@ def _fastpin_pin(run: PathRun) -> Iterator:
        "fastpin.Loader(loader, device=None): pinned host batches; then .to()", uses_fastpin=True)
 def _loader_host(run: PathRun) -> Iterator:
     run.loader = fastpin.Loader(no_pin(run.factory(False)), device=None, depth=run.depth,
-                                arena=run.own_arena())
+                                arena=run.own_arena(), zero_copy=False)
     return plain(run.loader, run.target)
 
 
@@ -229,7 +230,7 @@ def _loader_host(run: PathRun) -> Iterator:
        gpu=True, uses_fastpin=True)
 def _loader_cuda(run: PathRun) -> Iterator:
     run.loader = fastpin.Loader(no_pin(run.factory(False)), device=run.target, depth=run.depth,
-                                arena=run.own_arena())
+                                arena=run.own_arena(), zero_copy=False)
     return plain(run.loader, None)
 
 
@@ -253,3 +254,41 @@ def _zero_copy(run: PathRun) -> Iterator:
         raise PathSkipped("the DataLoader's workers already run")
     run.arena = run.loader.arena
     return plain(run.loader, None)
+
+
+@_path("install", "install()",
+       "DataLoader(pin_memory=True) after fastpin.install(): workers collate into the shared "
+       "pinned arena, the pin thread hands the batch over; then .to()", uses_fastpin=True)
+def _install(run: PathRun) -> Iterator:
+    loader = run.factory(True)
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise PathSkipped(f"needs a torch DataLoader (the factory made a {type(loader).__name__})")
+    return installed(loader, run)
+
+
+def installed(loader: Any, run: PathRun) -> Iterator:
+    """`loader`'s batches under fastpin.install() (zero-copy), copied to the
+    target; fastpin's install state is put back as it was when it ends, so
+    other paths are unaffected."""
+    from fastpin._runtime import process, replaced
+
+    before = dict(replaced)
+    fastpin.install(zero_copy=True)
+    try:
+        with warnings.catch_warnings():
+            # No GPU: torch turns pin_memory off, and says so; install() still
+            # collates in the workers (see the README's Use).
+            warnings.filterwarnings("ignore", "'pin_memory' argument is set as true but no "
+                                    "accelerator", UserWarning)
+            it = iter(loader)
+        try:
+            for batch in it:
+                if run.arena is None and loader in process.installed_pools:
+                    run.arena = process.installed_pools[loader][1].newest()
+                yield batch if run.target is None else to_device(batch, run.target)
+        finally:
+            shutdown(it)
+    finally:
+        fastpin.uninstall()
+        if "pin_memory" in before:
+            fastpin.install(zero_copy="iterator_init" in before)

@@ -14,7 +14,8 @@ memory, batch 256, in two forms:
 Paths (the workload cases' own, from fastpin.bench.PATHS): pageable, pin_memory
 (DataLoader's pin thread), prefetcher (timm/Apex side stream), loader_host
 (fastpin.Loader, device=None), loader_cuda (fastpin.Loader, device="cuda"),
-zero_copy (fastpin.Loader, zero_copy=True), each with fastpin's default settings:
+zero_copy (fastpin.Loader, zero_copy=True), install (DataLoader(pin_memory=True) after
+fastpin.install()), each with fastpin's default settings:
 the default arena, and a shared arena that sizes itself. Figures: images/s
 and the fraction of the upper bound. Skipped, with the reason, where there is no
 GPU or neither torchvision nor timm is importable.
@@ -31,7 +32,8 @@ from ._optional import Dataset, torch
 
 __all__ = ["PATHS", "format_train_table", "resnet18_maker", "train_table", "why_not"]
 
-PATHS = ("pageable", "pin_memory", "prefetcher", "loader_host", "loader_cuda", "zero_copy")
+PATHS = ("pageable", "pin_memory", "prefetcher", "loader_host", "loader_cuda", "zero_copy",
+         "install")
 _MEAN = (0.485, 0.456, 0.406)
 _STD = (0.229, 0.224, 0.225)
 
