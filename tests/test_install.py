@@ -299,6 +299,7 @@ def test_collate_ignores_on_full():
 import dataclasses
 import subprocess
 import sys
+import tempfile
 from typing import NamedTuple
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -714,7 +715,7 @@ def test_interpreter_exit_under_install(kind):
     env = dict(os.environ, PYTHONPATH=home + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-W", NO_ACCELERATOR.replace("ignore:", "ignore:", 1),
                         "-c", EXIT_SCRIPT, kind], capture_output=True, text=True, timeout=120,
-                       env=env)
+                       env=env, cwd=tempfile.gettempdir())
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
     assert "Traceback" not in r.stderr and "Exception" not in r.stderr, r.stderr
     assert shm_entries() <= shm
