@@ -772,6 +772,6 @@ def test_zero_copy_environment_opt_out():
         env = dict(os.environ, FASTPIN_ZERO_COPY=value,
                    PYTHONPATH=home + os.pathsep + os.environ.get("PYTHONPATH", ""))
         r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                           timeout=120, env=env)
+                           timeout=120, env=env, cwd=tempfile.gettempdir())
         assert r.returncode == 0, r.stderr
         assert r.stdout.split() == want.split(), (value, r.stdout)
