@@ -16,13 +16,14 @@ TORCH_SPEC ?= torch==2.13.0
 PYTHONS ?=
 export FASTPIN_WERROR ?= 1
 
-.PHONY: help bench test test-c test-py test-pythons notebook install clean
+.PHONY: help bench test test-c test-py test-asan-py test-pythons notebook install clean
 
 help:
 	@echo "make bench         venv in $(VENV) + install, then python -m fastpin.bench (BENCH_ARGS=--quick: short)"
 	@echo "make test          test-c, then test-py: what CI runs first"
 	@echo "make test-c        the C core's tests: plain, ASan+UBSan, TSan (tests/c)"
 	@echo "make test-py       pytest against fastpin installed into $(VENV) (PYTEST_ARGS=...)"
+	@echo "make test-asan-py  pytest of pin_memory, zero-copy, the Loader, settings on an ASan+UBSan build"
 	@echo "make test-pythons  each Python 3.10-3.13 found (PYTHONS=...): fastpin built into a"
 	@echo "                   venv without torch (.venv-py3.X), and the tests that need no torch"
 	@echo "make notebook      examples/compare_throughput.ipynb run headless in $(VENV), to out/"
@@ -69,6 +70,31 @@ test: test-c test-py
 notebook: install
 	mkdir -p out
 	$(VENV)/bin/jupyter-execute --output=../out/compare_throughput.ipynb examples/compare_throughput.ipynb
+
+# The Python-level tests whose C paths the C core's own tests do not reach, on
+# the extension built FASTPIN_DEBUG=1 FASTPIN_SANITIZE=address in a copy of the
+# tree (the venv's fastpin stays as installed), gcc's ASan and UBSan runtimes
+# preloaded (DataLoader workers and subprocesses inherit them; leaks are
+# CPython's and torch's, at exit). --capture=sys: a report is written to fd 2,
+# which pytest's default capture would lose with the halted process. A report
+# fails the run even where a test passed (from a worker the test let die); one
+# in a subprocess whose stderr a test reads fails that test by its exit status.
+ASAN_PY_DIR := build/asan-py
+ASAN_PY_TESTS := test_pin_batch test_pin_memory test_properties test_dlpack test_arena \
+	test_zero_copy test_shared_arena test_loader test_loader_stats test_settings
+test-asan-py: $(VENV)/.deps
+	rm -rf $(ASAN_PY_DIR) && mkdir -p $(ASAN_PY_DIR)/tests
+	cp -r setup.py pyproject.toml README.md LICENSE csrc fastpin $(ASAN_PY_DIR)/
+	cp tests/*.py $(ASAN_PY_DIR)/tests/ && rm -f $(ASAN_PY_DIR)/fastpin/*.so
+	cd $(ASAN_PY_DIR) && CC=gcc FASTPIN_DEBUG=1 FASTPIN_SANITIZE=address \
+		$(abspath $(PY)) setup.py -q build_ext --inplace
+	cd $(ASAN_PY_DIR) && { \
+	LD_PRELOAD=$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so) \
+	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	$(abspath $(PY)) -m pytest -q --capture=sys $(ASAN_PY_TESTS:%=tests/%.py) $(PYTEST_ARGS) \
+	2>&1; echo $$? > pytest.rc; } | tee pytest.log
+	test "$$(cat $(ASAN_PY_DIR)/pytest.rc)" = 0
+	! grep -E ': runtime error: |ERROR: AddressSanitizer' $(ASAN_PY_DIR)/pytest.log
 
 test-pythons:
 	bash .ci/test-pythons $(PYTHONS)

@@ -57,10 +57,12 @@ static void *fp_grow(void *items, size_t *cap, size_t need, size_t size, size_t 
     return grown;
 }
 
-/* Room for `n` more entries in the dims pool; -1 with MemoryError. */
+/* Room for `n` more entries in the dims pool; -1 with MemoryError. The first
+ * call makes the pool even for n == 0 (a 0-d leaf): its shape is copied to,
+ * and its view made from, a pointer into it, and memcpy's may not be NULL. */
 static int fp_dims_reserve(fp_batch_t *b, size_t n)
 {
-    if (b->ndims + n <= b->cap)
+    if (b->dims && b->ndims + n <= b->cap)
         return 0;
     int64_t *dims = fp_grow(b->dims, &b->cap, b->ndims + n, sizeof *dims, 64);
     if (!dims)

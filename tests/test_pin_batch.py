@@ -321,3 +321,35 @@ def test_batches_the_c_walk_leaves_still_pin_their_leaves_in_one_c_call(kind, ar
     for o, ref in zip(got, [x, a]):
         assert_same(o, ref)
         assert in_arena(o, arena)
+
+
+# Each batch opens with a leaf that has no dimensions or no bytes, the others
+# ordinary: the fast path's first leaf found its dims pool still unallocated
+# and copied a 0-d tensor's empty shape into a null pointer (UB: UBSan says
+# "batch.c:151:5: null pointer passed as argument 1"; make test-asan-py).
+@pytest.mark.parametrize("first", ["tensor_0d", "array_0d", "tensor_empty", "array_empty",
+                                   "only_0d"])
+@pytest.mark.parametrize("walk", ["pin_tree", "pin_batch"])
+def test_pin_memory_of_0d_and_empty_leaves_passes_no_null_pointer(first, walk, arena):
+    import collections
+
+    if first == "only_0d":   # no leaf has a dimension: the dims pool stays empty
+        leaves = [patterned((), torch.float32, 7), patterned((), np.uint16, 8),
+                  patterned((), torch.complex64, 9)]
+    else:
+        lead = {"tensor_0d": patterned((), torch.float64, 1),
+                "array_0d": patterned((), np.int32, 2),
+                "tensor_empty": torch.empty(0, 4),
+                "array_empty": np.empty((3, 0), np.float32)}[first]
+        leaves = [lead, patterned((), torch.int16, 3), patterned((5, 2), torch.float32, 4),
+                  torch.empty(0), patterned((), np.float64, 5), np.empty(0, np.uint8),
+                  patterned((7,), np.int64, 6), torch.empty(2, 0, 3)]
+    Row = collections.namedtuple("Row", [f"f{i}" for i in range(len(leaves))])
+    data = list(leaves) if walk == "pin_tree" else Row(*leaves)   # pin_tree takes no namedtuple
+    before = _C.pin_counts()[0]
+    out = fastpin.pin_memory(data, arena=arena)
+    assert _C.pin_counts()[0] == before + 1, "the fast path took the batch"
+    assert type(out) is type(data)
+    for o, x in zip(out, leaves):
+        assert type(o) is type(x) and o.shape == x.shape
+        assert_same(o, x)
