@@ -17,6 +17,13 @@
 #                                with streaming on and off, the training step
 #                                table, training resnet18 at 8 and 15 workers
 #                                (about 7 minutes); neither: both
+#   bash scripts/gpu.sh install [tests|bench]  build, then
+#                                tests: the GPU tests and tests/test_install.py (install()'s
+#                                zero-copy with DataLoader's real pin thread); bench: every
+#                                workload case through pin_memory, install and zero_copy at
+#                                15 workers, the training table's install column, and
+#                                Lightning's Trainer through stock and install()
+#                                (benchmarks/lightning_install.py); neither: both
 #   bash scripts/gpu.sh streams [OLD] build, the stream-safety tests under both fences
 #                                (cuCtxRecordEvent, FASTPIN_FENCE=sync) and
 #                                benchmarks/stream_race.py; with OLD (a directory
@@ -100,6 +107,21 @@ if [ "$what" = measure ]; then
         done
         step timeout 120 python3 -m fastpin.bench --case train_step --json "$OUT/train_step.json"
         step timeout 300 python3 -m fastpin.bench_train --workers 8 --workers 15 --steps 30
+    fi
+fi
+if [ "$what" = install ]; then
+    part=${1:-all}
+    if [ "$part" = all ] || [ "$part" = tests ]; then
+        step timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests
+        step timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_install.py \
+            tests/test_zero_copy_sizing.py
+    fi
+    if [ "$part" = all ] || [ "$part" = bench ]; then
+        step timeout 240 python3 -m fastpin.bench --case images_u8 --case images_f32 \
+            --case tokens --case recsys --case token_windows --path pin_memory --path install \
+            --path zero_copy --workers 15 --max-seconds 2 --no-progress --json "$OUT/install.json"
+        step timeout 300 env PYTHONPATH="$PWD" python3 benchmarks/lightning_install.py \
+            --workers 15 --steps 60 --json "$OUT/lightning_install.json"
     fi
 fi
 if [ "$what" = profile ]; then
