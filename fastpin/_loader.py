@@ -41,12 +41,24 @@ _GRACE = 1.0
 
 @atexit.register
 def _at_exit() -> None:
-    """Stop the producers still running (process.producers) without waiting on
-    any: a worker may hang forever; the DataLoader's own exit path,
+    """Stop the producers still running (process.producers) before Python
+    finalizes: from then on a thread that takes the GIL back is ended where it
+    stands, and inside a torch call (which releases the GIL) or a tensor's
+    free, that end aborts the process (a C++ destructor). So each thread gets
+    the short grace a closing epoch gives it to leave what it is doing
+    (preparing or queueing a batch: bounded work) and park, holding what it
+    has, freeing nothing (_Producer.park). None is waited on inside the
+    source: a worker may hang forever; the DataLoader's own exit path,
     multiprocessing's atexit, terminates its workers without waiting either."""
     process.exiting = True
-    for producer in list(process.producers):
-        producer.stop.set()
+    producers = list(process.producers)
+    for producer in producers:
+        producer.halt()  # its queued batches go here, in the main thread
+    deadline = time.monotonic() + _GRACE
+    for producer in producers:
+        while (producer.thread.is_alive() and not producer.in_source
+               and time.monotonic() < deadline and not producer.parked.wait(0.01)):
+            pass
 
 
 class _Failure:
@@ -280,6 +292,7 @@ class _Producer:
         # that ends the workers after that runs it again (see shutdown).
         self.ended = False
         self.ending = threading.Lock()
+        self.parked = threading.Event()  # set by the thread once it is parked (see park)
         source = owner._source  # zero-copy: the Loader's view of the DataLoader
         if previous is not None and (previous.source is source or previous.source is
                                      getattr(source, "_iterator", None)):
@@ -339,6 +352,8 @@ class _Producer:
                 self.put(_Failure(exc))
         finally:
             self.in_source = False
+            if process.exiting:
+                self.park()
             # Dropping the last reference to a DataLoader iterator shuts its
             # workers down (a no-op if the consumer did so already).
             self.source = source = None
@@ -348,6 +363,14 @@ class _Producer:
                 self.ended = True
                 if not process.exiting:
                     mode.end()
+
+    def park(self) -> None:
+        """The interpreter is exiting: block here for good, holding every
+        reference the thread has (its batches, the source), so that it frees
+        nothing and calls into torch no more while Python finalizes (see
+        _at_exit). The process ends with the thread parked."""
+        self.parked.set()
+        threading.Event().wait()
 
     def put(self, item) -> None:
         """Queue `item` for the consumer; once the epoch is stopped, drop it."""
@@ -374,7 +397,8 @@ class _Producer:
 
     def wait(self) -> None:
         """Wait for the (halted) thread to end, interruptibly (Ctrl-C)."""
-        while self.thread.is_alive() and threading.current_thread() is not self.thread:
+        while (self.thread.is_alive() and not self.parked.is_set()
+               and threading.current_thread() is not self.thread):
             self.drain()
             self.thread.join(_POLL)
 
@@ -483,7 +507,8 @@ class _Epoch:
                     item = producer.queue.get(timeout=_POLL)
                     break
                 except queue.Empty:
-                    if not producer.thread.is_alive() and producer.queue.empty():
+                    if producer.queue.empty() and (producer.parked.is_set()
+                                                   or not producer.thread.is_alive()):
                         self.close()  # stopped without a word (interpreter exit)
                         raise StopIteration from None
         except StopIteration:
