@@ -81,6 +81,10 @@ class Loader:
         handed over, up to depth + 1 batches after the source made them. A source
         that refills one buffer for every batch (common in custom loaders) has
         overwritten them by then: give such a source depth=0.
+        A DataLoader with persistent_workers=True: the Loader iterates a shallow copy
+        of it with persistent workers of its own (as zero_copy does, below), so that
+        two Loaders over it, or a Loader beside a plain `for b in dl`, each get every
+        batch; take a StatefulDataLoader's state through the Loader's state_dict().
     depth: how many batches are prepared ahead of the consumer (default 2). 0: no
         prefetch and no thread; each batch is taken from the source, and copied or
         pinned, in the consumer's own thread when next() asks for it, as the plain
@@ -137,7 +141,7 @@ class Loader:
             raise TypeError("fastpin.Loader: device must be None, 'cpu', 'cuda', 'cuda:N', an int "
                             f"or a torch.device, not {device!r}")
         self.loader = loader
-        self._source: Any = loader  # what an epoch iterates (zero-copy: a view of loader)
+        self._source: Any = _own_workers(loader)  # what an epoch iterates
         self.depth = depth
         self._arena = arena
         self._stats = _modes.Stats()
@@ -431,6 +435,22 @@ class _Producer:
         self.drain()
         if not self.thread.is_alive():
             self.mode.forget()
+
+
+def _own_workers(loader):
+    """What a Loader's epochs iterate: `loader`, or for a DataLoader with
+    persistent workers a shallow copy of it (_zerocopy.dataloader_view), so
+    that the Loader's persistent workers are its own: the DataLoader keeps one
+    persistent iterator, and two Loaders (or a Loader and a plain `for b in
+    dl`) reading it at once would each take the other's batches. Zero-copy
+    makes its own view (Loader._setup_zero_copy)."""
+    from torch.utils.data import DataLoader
+
+    if not (isinstance(loader, DataLoader) and loader.persistent_workers):
+        return loader
+    from ._zerocopy import dataloader_view
+
+    return dataloader_view(loader, loader.collate_fn)
 
 
 def _worker_backed(source) -> bool:
