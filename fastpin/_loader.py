@@ -41,12 +41,24 @@ _GRACE = 1.0
 
 @atexit.register
 def _at_exit() -> None:
-    """Stop the producers still running (process.producers) without waiting on
-    any: a worker may hang forever; the DataLoader's own exit path,
+    """Stop the producers still running (process.producers) before Python
+    finalizes: from then on a thread that takes the GIL back is ended where it
+    stands, and inside a torch call (which releases the GIL) or a tensor's
+    free, that end aborts the process (a C++ destructor). So each thread gets
+    the short grace a closing epoch gives it to leave what it is doing
+    (preparing or queueing a batch: bounded work) and park, holding what it
+    has, freeing nothing (_Producer.park). None is waited on inside the
+    source: a worker may hang forever; the DataLoader's own exit path,
     multiprocessing's atexit, terminates its workers without waiting either."""
     process.exiting = True
-    for producer in list(process.producers):
-        producer.stop.set()
+    producers = list(process.producers)
+    for producer in producers:
+        producer.halt()  # its queued batches go here, in the main thread
+    deadline = time.monotonic() + _GRACE
+    for producer in producers:
+        while (producer.thread.is_alive() and not producer.in_source
+               and time.monotonic() < deadline and not producer.parked.wait(0.01)):
+            pass
 
 
 class _Failure:
@@ -69,6 +81,10 @@ class Loader:
         handed over, up to depth + 1 batches after the source made them. A source
         that refills one buffer for every batch (common in custom loaders) has
         overwritten them by then: give such a source depth=0.
+        A DataLoader with persistent_workers=True: the Loader iterates a shallow copy
+        of it with persistent workers of its own (as zero_copy does, below), so that
+        two Loaders over it, or a Loader beside a plain `for b in dl`, each get every
+        batch; take a StatefulDataLoader's state through the Loader's state_dict().
     depth: how many batches are prepared ahead of the consumer (default 2). 0: no
         prefetch and no thread; each batch is taken from the source, and copied or
         pinned, in the consumer's own thread when next() asks for it, as the plain
@@ -130,7 +146,7 @@ class Loader:
             raise TypeError("fastpin.Loader: device must be None, 'cpu', 'cuda', 'cuda:N', an int "
                             f"or a torch.device, not {device!r}")
         self.loader = loader
-        self._source: Any = loader  # what an epoch iterates (zero-copy: a view of loader)
+        self._source: Any = _own_workers(loader)  # what an epoch iterates
         self.depth = depth
         self._arena = arena
         self._stats = _modes.Stats()
@@ -297,6 +313,7 @@ class _Producer:
         # that ends the workers after that runs it again (see shutdown).
         self.ended = False
         self.ending = threading.Lock()
+        self.parked = threading.Event()  # set by the thread once it is parked (see park)
         source = owner._source  # zero-copy: the Loader's view of the DataLoader
         if previous is not None and (previous.source is source or previous.source is
                                      getattr(source, "_iterator", None)):
@@ -356,6 +373,8 @@ class _Producer:
                 self.put(_Failure(exc))
         finally:
             self.in_source = False
+            if process.exiting:
+                self.park()
             # Dropping the last reference to a DataLoader iterator shuts its
             # workers down (a no-op if the consumer did so already).
             self.source = source = None
@@ -365,6 +384,14 @@ class _Producer:
                 self.ended = True
                 if not process.exiting:
                     mode.end()
+
+    def park(self) -> None:
+        """The interpreter is exiting: block here for good, holding every
+        reference the thread has (its batches, the source), so that it frees
+        nothing and calls into torch no more while Python finalizes (see
+        _at_exit). The process ends with the thread parked."""
+        self.parked.set()
+        threading.Event().wait()
 
     def put(self, item) -> None:
         """Queue `item` for the consumer; once the epoch is stopped, drop it."""
@@ -391,7 +418,8 @@ class _Producer:
 
     def wait(self) -> None:
         """Wait for the (halted) thread to end, interruptibly (Ctrl-C)."""
-        while self.thread.is_alive() and threading.current_thread() is not self.thread:
+        while (self.thread.is_alive() and not self.parked.is_set()
+               and threading.current_thread() is not self.thread):
             self.drain()
             self.thread.join(_POLL)
 
@@ -424,6 +452,22 @@ class _Producer:
         self.drain()
         if not self.thread.is_alive():
             self.mode.forget()
+
+
+def _own_workers(loader):
+    """What a Loader's epochs iterate: `loader`, or for a DataLoader with
+    persistent workers a shallow copy of it (_zerocopy.dataloader_view), so
+    that the Loader's persistent workers are its own: the DataLoader keeps one
+    persistent iterator, and two Loaders (or a Loader and a plain `for b in
+    dl`) reading it at once would each take the other's batches. Zero-copy
+    makes its own view (Loader._setup_zero_copy)."""
+    from torch.utils.data import DataLoader
+
+    if not (isinstance(loader, DataLoader) and loader.persistent_workers):
+        return loader
+    from ._zerocopy import dataloader_view
+
+    return dataloader_view(loader, loader.collate_fn)
 
 
 def _worker_backed(source) -> bool:
@@ -500,7 +544,8 @@ class _Epoch:
                     item = producer.queue.get(timeout=_POLL)
                     break
                 except queue.Empty:
-                    if not producer.thread.is_alive() and producer.queue.empty():
+                    if producer.queue.empty() and (producer.parked.is_set()
+                                                   or not producer.thread.is_alive()):
                         self.close()  # stopped without a word (interpreter exit)
                         raise StopIteration from None
         except StopIteration:

@@ -64,6 +64,27 @@ def test_epochs_exact(device, workers):
     assert not wait_for_no_loader_threads()
 
 
+# Issue 26 item 2: two Loaders over one DataLoader with persistent workers both
+# iterated its one persistent iterator: zip() of them gave 0 pairs an epoch, or
+# KeyError: 0. Each Loader now has workers of its own, as with zero_copy=True.
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("device", ["cpu", None])
+def test_two_loaders_over_one_dataloader_with_persistent_workers(device):
+    dl = DataLoader(Patterned(), batch_size=4, num_workers=2, persistent_workers=True)
+    check_epoch(dl)
+    own = dl._iterator  # the DataLoader's own persistent workers: never the Loaders'
+    a, b = fastpin.Loader(dl, device=device), fastpin.Loader(dl, device=device)
+    for _ in range(3):
+        pairs = list(zip(a, b))
+        assert len(pairs) == 16
+        check_epoch(first for first, _ in pairs)
+        check_epoch(second for _, second in pairs)
+        check_epoch(dl)  # plain iteration, between and beside the Loaders' epochs
+        assert dl._iterator is own
+    del pairs, a, b
+    assert not wait_for_no_loader_threads()
+
+
 def test_pinned_host_mode_goes_through_the_arena():
     arena = fastpin._C.Arena(1 << 20, cuda=False)
     loader = fastpin.Loader(DataLoader(Patterned(), batch_size=8), device=None, arena=arena)

@@ -387,6 +387,57 @@ def test_interpreter_exit_takes_as_long_as_the_dataloaders(kind):
     assert not [p for p in pids if alive(p)], "a worker outlived its process"
 
 
+# Issue 26 item 0: a script that ends while its Loaders' threads still prepare
+# batches (depth far ahead) aborted in 1 run of 5 to 50 ("terminate called
+# without an active exception", rc 134): the exit hook only set `stop`, and a
+# thread still inside torch (pinning, freeing what it had queued) was ended by
+# Python's finalization there, inside a C++ destructor. Each run is a child
+# forked from one interpreter that imported torch once, so the 50 runs are
+# affordable; each child ends as a script does, by falling off its end.
+MID_EPOCH_SCRIPT = """
+import os, sys
+import numpy.random  # a worker's seeding imports it: forked while a thread imports it, it hangs
+import torch
+from torch.utils.data import DataLoader
+import fastpin
+SAMPLES, DEPTH = 2000, 500  # every producer still busy when the script ends
+
+def mid_epoch():
+    global its  # alive until the interpreter exits
+    data = [{"x": torch.arange(4096, dtype=torch.float32) + 4096 * i} for i in range(SAMPLES)]
+    def dl():
+        return DataLoader(data, batch_size=2, num_workers=2)
+    its = [iter(fastpin.Loader(data, device=None, depth=DEPTH)),
+           iter(fastpin.Loader(dl(), device=None, depth=DEPTH)),
+           iter(fastpin.Loader(dl(), device="cpu", depth=DEPTH)),
+           iter(fastpin.Loader(dl(), device=None, depth=DEPTH, zero_copy=True))]
+    for k, it in enumerate(its):
+        x = next(it)["x"].reshape(-1)  # the first sample, or the first two
+        assert torch.equal(x, torch.arange(x.numel(), dtype=torch.float32)), k
+
+codes = []
+for run in range(int(sys.argv[1])):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.fork() == 0:
+        mid_epoch()
+        break  # and on to the end of the script: the interpreter exits
+    codes.append(os.waitstatus_to_exitcode(os.wait()[1]))
+else:
+    print("CODES", *codes)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_exit_while_loaders_are_mid_epoch_never_aborts():
+    env = dict(os.environ, PYTHONPATH=FASTPIN_HOME + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", MID_EPOCH_SCRIPT, "50"], cwd=tempfile.gettempdir(),
+                          env=env, capture_output=True, text=True, timeout=550)
+    codes = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("CODES")]
+    assert proc.returncode == 0 and codes, proc.stderr[-4000:]
+    assert codes[0] == ["0"] * 50, f"exit codes {' '.join(codes[0])}\n{proc.stderr[-4000:]}"
+
+
 # ---- several consumer threads on one epoch --------------------------------------------
 
 @pytest.mark.timeout(30)
