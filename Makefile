@@ -81,7 +81,13 @@ notebook: install
 # in a subprocess whose stderr a test reads fails that test by its exit status.
 ASAN_PY_DIR := build/asan-py
 ASAN_PY_TESTS := test_pin_batch test_pin_memory test_properties test_dlpack test_arena \
-	test_zero_copy test_shared_arena test_loader test_loader_stats test_settings
+	test_zero_copy test_shared_arena test_loader test_loader_stats test_install \
+	test_reliability test_settings
+# gcc 12's ASan takes no allocator lock around fork (LLVM added one in #75290):
+# a worker forked while another thread allocates can hang in its first malloc.
+# The first zero-copy Loader of the run did, 2 runs of 3; spawn starts it instead.
+ASAN_PY_SKIP := $(foreach p,False True,\
+	--deselect "tests/test_zero_copy.py::test_workers_write_into_the_shared_arena[$(p)-fork]")
 test-asan-py: $(VENV)/.deps
 	rm -rf $(ASAN_PY_DIR) && mkdir -p $(ASAN_PY_DIR)/tests
 	cp -r setup.py pyproject.toml README.md LICENSE csrc fastpin $(ASAN_PY_DIR)/
@@ -91,7 +97,7 @@ test-asan-py: $(VENV)/.deps
 	cd $(ASAN_PY_DIR) && { \
 	LD_PRELOAD=$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so) \
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	$(abspath $(PY)) -m pytest -q --capture=sys $(ASAN_PY_TESTS:%=tests/%.py) $(PYTEST_ARGS) \
+	$(abspath $(PY)) -m pytest -q --capture=sys $(ASAN_PY_TESTS:%=tests/%.py) $(ASAN_PY_SKIP) $(PYTEST_ARGS) \
 	2>&1; echo $$? > pytest.rc; } | tee pytest.log
 	test "$$(cat $(ASAN_PY_DIR)/pytest.rc)" = 0
 	! grep -E ': runtime error: |ERROR: AddressSanitizer' $(ASAN_PY_DIR)/pytest.log
