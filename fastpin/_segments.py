@@ -364,7 +364,11 @@ class Pool:
 
 def _grower(pool_ref, view, dir_fd: int, wake: int) -> None:
     """The thread that adds segments when workers ask; it holds the pool only
-    while it grows it, and closes the directory when the pool is gone."""
+    while it grows it, and closes the directory once the pool's finalizer has
+    marked it closed. Only then: the pool's weak reference dies before its
+    finalizer runs, and a thread that closed the view and descriptors on
+    finding the pool gone would leave the finalizer writing to a closed view
+    and to descriptor numbers another file may have taken by then."""
     _numa.name_this_thread("fastpin-pool")
     try:
         while True:
@@ -377,7 +381,7 @@ def _grower(pool_ref, view, dir_fd: int, wake: int) -> None:
                 return
             pool = pool_ref()
             if pool is None:
-                return
+                continue  # its finalizer is about to mark the directory closed
             try:
                 pool.grow()
             except Exception:  # noqa: BLE001 - never crash; workers time out and fall back

@@ -304,6 +304,29 @@ def test_pool_goes_with_its_loader(small_memory, nothing_left_behind):
     assert not thread.is_alive()
 
 
+
+def test_a_pool_ended_after_its_grower_saw_it_gone_raises_nothing_and_writes_no_closed_fd():
+    """The CI failure of 2026-12-02 ("Exception ignored in: <finalize object;
+    dead>" in a test's teardown): the pool's weak reference dies before its
+    finalizer runs, and the grower thread, waking in between, closed the
+    directory's view and descriptors itself; the finalizer then wrote to the
+    closed view (TypeError) and to a descriptor number that may by then be
+    another file's. Here the finalizer is held back until the grower has had
+    time to see the pool gone."""
+    pool = _segments.Pool(lambda n: None, loader=None, depth=2, cap=64 * MB)
+    thread, wake = pool.thread, pool.wake
+    end = pool._finalizer.detach()   # (pool, func, args, kwargs): run by hand below
+    assert end is not None
+    func, args = end[1], end[2]
+    del pool, end
+    gc.collect()
+    time.sleep(2.5)                  # the grower wakes at least once a second
+    func(*args)                      # what the finalizer does: raised TypeError before
+    thread.join(10)
+    assert not thread.is_alive()
+    with pytest.raises(OSError):
+        os.fstat(wake)               # closed, by the grower, after the finalizer woke it
+
 @gpu
 @pytest.mark.parametrize("device", ["cuda", None])
 def test_self_sized_arena_on_the_gpu(device, small_memory, nothing_left_behind):
