@@ -122,7 +122,7 @@ def _pool_for(loader):
     import types
 
     from . import _numa, _zerocopy
-    from ._arena import device_index, make_arena
+    from ._arena import device_index
 
     index = device_index(None)
     try:
@@ -132,12 +132,7 @@ def _pool_for(loader):
     if cached is not None and cached[0] == index:
         cached[1].reclaim()  # blocks a previous epoch's killed workers held
         return cached[1]
-    node = _numa.for_device(index if index >= 0 else None).node
-
-    def make(nbytes: int):
-        return make_arena(nbytes, shared=True, device=max(index, 0), cuda=index >= 0,
-                          numa_node=node)
-
+    make = _zerocopy.shared_maker(index, _numa.for_device(index if index >= 0 else None).node)
     shape = types.SimpleNamespace(num_workers=loader.num_workers,
                                   prefetch_factor=loader.prefetch_factor)
     pool = _zerocopy.Pool(make, loader=shape, depth=_DEPTH, cap=_zerocopy.default_cap(index >= 0))

@@ -197,7 +197,6 @@ class Loader:
         from torch.utils.data import DataLoader
 
         from . import _zerocopy
-        from ._arena import make_arena
 
         if not isinstance(self.loader, DataLoader):
             raise TypeError("fastpin.Loader(zero_copy=True) needs a torch.utils.data.DataLoader, "
@@ -207,14 +206,9 @@ class Loader:
                              "(_C.Arena(..., shared=True))")
         if max_capacity is not None and max_capacity <= 0:
             raise ValueError(f"max_capacity must be positive, not {max_capacity}")
-        index, node = self._index, self._placement.node
-
-        def make(nbytes: int) -> _C.Arena:
-            return make_arena(nbytes, shared=True, device=max(index, 0), cuda=index >= 0,
-                              numa_node=node)
-
+        index = self._index
         self._pool = _zerocopy.Pool(
-            make, loader=self.loader, depth=self.depth, arena=arena, capacity=capacity,
+            _zerocopy.shared_maker(index, self._placement.node), loader=self.loader, depth=self.depth, arena=arena, capacity=capacity,
             cap=max_capacity or _zerocopy.default_cap(index >= 0))
         self._arena = self._pool.newest()  # None while a self-sizing pool is empty
         self._source = _zerocopy.dataloader_view(

@@ -58,6 +58,7 @@ from ._segments import (  # noqa: F401 - the names the Loader, the bench and tes
     default_cap,
     directory_for,
     register,
+    shared_maker,
 )
 from ._leaves import Plan, Stack, stackable
 from ._runtime import process

@@ -17,13 +17,15 @@
 #                                with streaming on and off, the training step
 #                                table, training resnet18 at 8 and 15 workers
 #                                (about 7 minutes); neither: both
-#   bash scripts/gpu.sh install [tests|bench]  build, then
+#   bash scripts/gpu.sh install [tests|bench|lightning]  build, then
 #                                tests: the GPU tests and tests/test_install.py (install()'s
 #                                zero-copy with DataLoader's real pin thread); bench: every
 #                                workload case through pin_memory, install and zero_copy at
-#                                15 workers, the training table's install column, and
-#                                Lightning's Trainer through stock and install()
-#                                (benchmarks/lightning_install.py); neither: both
+#                                15 workers, and the training table's columns of the same
+#                                three paths (about 6 minutes); lightning: Lightning's
+#                                Trainer through stock and install()
+#                                (benchmarks/lightning_install.py); none: all three
+#                                (over the device tool's 600 s: one call each)
 #   bash scripts/gpu.sh streams [OLD] build, the stream-safety tests under both fences
 #                                (cuCtxRecordEvent, FASTPIN_FENCE=sync) and
 #                                benchmarks/stream_race.py; with OLD (a directory
@@ -120,6 +122,10 @@ if [ "$what" = install ]; then
         step timeout 240 python3 -m fastpin.bench --case images_u8 --case images_f32 \
             --case tokens --case recsys --case token_windows --path pin_memory --path install \
             --path zero_copy --workers 15 --max-seconds 2 --no-progress --json "$OUT/install.json"
+        step timeout 200 python3 -m fastpin.bench_train --workers 15 --steps 30 \
+            --path pin_memory --path zero_copy --path install
+    fi
+    if [ "$part" = all ] || [ "$part" = lightning ]; then
         step timeout 300 env PYTHONPATH="$PWD" python3 benchmarks/lightning_install.py \
             --workers 15 --steps 60 --json "$OUT/lightning_install.json"
     fi
