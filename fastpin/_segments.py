@@ -50,6 +50,10 @@ def register(arena: _C.Arena) -> None:
 # learn of the segments (shared arenas) it adds. Fields are 8-byte words; the
 # main process writes a segment's entry before it raises `count`.
 _DIR_COUNT, _DIR_SERVED, _DIR_WANTED, _DIR_CLOSED, _DIR_FALLBACKS = 0, 8, 16, 24, 32
+# Raised by the main process each time it has looked at the GPU's fences
+# (Pool.collect) for the workers: a worker that finds the pool full of blocks
+# the GPU still reads wakes it, and waits for this to move.
+_DIR_COLLECTED = 40
 _DIR_ENTRIES = 64           # then (fd in the creator, token, capacity) per segment
 _MAX_SEGMENTS = 64
 _DIR_BYTES = _DIR_ENTRIES + 24 * _MAX_SEGMENTS
@@ -57,6 +61,9 @@ _CAPPED = 1 << 62           # _DIR_SERVED once the pool can grow no more
 # How long a worker waits for the main process to add a segment before it
 # falls back: registering a few GB takes a second or two.
 GROW_WAIT_S = 30.0
+# How long a worker waits for the GPU to finish with blocks the main process
+# freed (a consumer's copies queued behind its compute) before it falls back.
+FREE_WAIT_S = 10.0
 
 
 def _word(view, at: int) -> int:
@@ -135,6 +142,29 @@ class _Directory:
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
         return False
+
+    def wait_for_frees(self, deadline: float) -> bool:
+        """The pool is full and sized: if some of its blocks are freed but still
+        read by the GPU (pending on their fences), ask the main process to look
+        at the fences again, and wait until it has (only it can see them pass:
+        it looks on its own only when a zero-copy batch arrives, and none may
+        arrive while every worker waits). True: try the segments again; False
+        (nothing pending, the pool closed, or past `deadline`): fall back."""
+        if time.monotonic() >= deadline or not any(
+                a.stats()["blocks_pending"] for a in self.arenas):
+            return False
+        served = _word(self.map, _DIR_COLLECTED)
+        try:
+            os.eventfd_write(self.wake, 1)
+        except OSError:
+            return False
+        end, delay = min(deadline, time.monotonic() + 0.05), 0.0002
+        while _word(self.map, _DIR_COLLECTED) == served and time.monotonic() < end:
+            if _word(self.map, _DIR_CLOSED):
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+        return True
 
     def count_fallback(self) -> None:
         if self.arenas:
@@ -396,9 +426,12 @@ def _grower(pool_ref, view, dir_fd: int, wake: int) -> None:
             if pool is None:
                 continue  # its finalizer is about to mark the directory closed
             try:
+                pool.collect()  # the fences workers may be waiting on (wait_for_frees)
                 pool.grow()
             except Exception:  # noqa: BLE001 - never crash; workers time out and fall back
                 log.exception("fastpin: growing the shared arena failed")
+            finally:
+                _set_word(view, _DIR_COLLECTED, _word(view, _DIR_COLLECTED) + 1)
             del pool
     finally:
         view.close()

@@ -33,6 +33,7 @@ died before its batch arrived are reclaimed at the end of the epoch.
 """
 from __future__ import annotations
 
+import time
 from multiprocessing import reduction
 from typing import Any, Callable, Optional
 
@@ -57,6 +58,7 @@ from ._segments import (  # noqa: F401 - the names the Loader, the bench and tes
     capacity_for,
     default_cap,
     directory_for,
+    FREE_WAIT_S,
     register,
     shared_maker,
 )
@@ -288,7 +290,7 @@ class _WorkerCollate:
         else:
             tree = self.collate_fn(samples)
         arenas, directory = self._arenas()
-        asked = False
+        asked, deadline = False, None
         while True:
             for arena in arenas:
                 try:
@@ -308,7 +310,14 @@ class _WorkerCollate:
             if arenas:
                 continue
             if not grow or not directory.ask(need):
-                break
+                # Sized for it and full: of blocks the GPU may still be reading
+                # (wait for it, as the consumer would), else of batches in flight.
+                if deadline is None:
+                    deadline = time.monotonic() + FREE_WAIT_S
+                if not directory.wait_for_frees(deadline):
+                    break
+                arenas = directory.arenas
+                continue
             asked = True
         if directory is not None:
             directory.count_fallback()

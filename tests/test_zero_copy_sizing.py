@@ -373,3 +373,42 @@ def test_segments_the_workers_cannot_open_fall_back_until_the_next_epoch(
     check(loader, 24, numel)
     assert loader.stats()["fallbacks"] == first
     del loader, dl
+
+
+class _Pending:
+    """Stands for a segment with blocks the GPU still reads (CPU-only machine:
+    no fences exist here to make real ones)."""
+
+    def __init__(self, pending):
+        self.pending = pending
+
+    def stats(self):
+        return {"blocks_pending": self.pending}
+
+
+def test_a_worker_facing_blocks_the_gpu_still_reads_has_the_main_process_look(monkeypatch):
+    """The protocol under the GPU test
+    test_install.py::test_copies_queued_behind_the_gpu_wait_for_it_never_fall_back_for_good:
+    a worker whose full pool holds pending blocks wakes the pool's thread, which
+    collects (looks at the fences) and says so; with nothing pending, or past
+    the deadline, the worker falls back at once."""
+    looked = []
+    monkeypatch.setattr(_segments.Pool, "collect", lambda self: looked.append(1))
+    pool = _segments.Pool(lambda n: None, loader=None, depth=2, cap=64 * MB)
+    _, dir_fd, wake, creator = pool.directory
+    view = _segments._Directory(dir_fd, wake, creator, {}, None)
+    try:
+        view.arenas, view.seen = [_Pending(0)], 1
+        assert not view.wait_for_frees(time.monotonic() + 5)        # nothing pending
+        view.arenas = [_Pending(0), _Pending(3)]
+        assert not view.wait_for_frees(time.monotonic() - 1)        # past the deadline
+        before = len(looked)
+        for _ in range(3):
+            served = _segments._word(view.map, _segments._DIR_COLLECTED)
+            assert view.wait_for_frees(time.monotonic() + 5)
+            assert _segments._word(view.map, _segments._DIR_COLLECTED) > served
+        assert len(looked) >= before + 3
+    finally:
+        view.map.close()
+        del pool
+        gc.collect()
