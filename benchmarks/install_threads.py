@@ -1,0 +1,103 @@
+"""Where install()'s main-process CPU goes, beside Loader(zero_copy): every
+thread of this process by name (/proc/self/task), per batch, for uint8 images
+3x224x224 batch 256 (the bench's images_u8), each path delivering to the GPU
+with .to(non_blocking=True) in the loop as a training script does (the
+Loader's device="cuda" copies in its own thread instead).
+
+    python benchmarks/install_threads.py [--workers 15] [--batches 200] [--case images_u8]
+
+Also says whether the install() batch's leaves are pinned as torch sees them
+(is_pinned), how long the loop's .to() calls take on the CPU, and the shared
+arena's capacity, high water and the workers' fallbacks.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+import torch
+
+import fastpin
+from fastpin.bench import workloads
+from fastpin.bench.procfs import threads
+
+
+def cpu_by_name(before: dict, after: dict) -> dict:
+    out: collections.Counter = collections.Counter()
+    for tid, t in after.items():
+        start = before[tid].run_ns if tid in before else 0
+        out[t.name] += (t.run_ns - start) / 1e6
+    return dict(out)
+
+
+def run(path: str, case: str, workers: int, batches: int) -> dict:
+    w = workloads.CASES[case]
+    dataset = w.make()
+    make = w.factory(dataset, workers, batches + 10)
+    device = torch.device("cuda")
+    if path == "install":
+        fastpin.install()
+        source = make(True)
+    elif path == "zero_copy_host":
+        source = fastpin.Loader(make(False), device=None, zero_copy=True)
+    else:
+        source = fastpin.Loader(make(False), device=device, zero_copy=True)
+    it = iter(source)
+    to_s, pinned = 0.0, None
+    for k, batch in enumerate(it):
+        if k == 10:
+            torch.cuda.synchronize()
+            t0, before = time.perf_counter(), threads()
+        leaves = [x for x in (batch if isinstance(batch, (list, tuple)) else batch.values())
+                  if isinstance(x, torch.Tensor)]
+        if not leaves[0].is_cuda:
+            if pinned is None:
+                pinned = [x.is_pinned() for x in leaves]
+            c0 = time.thread_time()
+            leaves = [x.to(device, non_blocking=True) for x in leaves]
+            if k >= 10:
+                to_s += time.thread_time() - c0
+        del batch, leaves
+        if k == batches + 9:
+            torch.cuda.synchronize()
+            t1, after = time.perf_counter(), threads()
+            break
+    if path == "install":
+        from fastpin._runtime import process
+
+        pool = process.installed_pools[source][1]
+        stats = pool.stats()
+    else:
+        stats = source.stats()
+        stats = {k: v for k, v in stats.items() if "pool" in k or k == "fallbacks"}
+    del it, source
+    if path == "install":
+        fastpin.uninstall()
+    by_name = {n: round(ms / batches, 3) for n, ms in sorted(cpu_by_name(before, after).items())
+               if ms / batches >= 0.005}
+    return {"path": path, "case": case, "workers": workers, "batches": batches,
+            "ms_per_batch": round((t1 - t0) * 1e3 / batches, 3),
+            "cpu_ms_per_batch": round(sum(cpu_by_name(before, after).values()) / batches, 3),
+            "to_cpu_ms_per_batch": round(to_s * 1e3 / batches, 3), "is_pinned": pinned,
+            "threads_ms_per_batch": by_name,
+            "pool": {k: stats.get(k) for k in stats if k in ("capacity", "high_water", "fallbacks",
+                                                              "pool_capacity", "pool_high_water")}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=15)
+    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--case", default="images_u8", choices=sorted(workloads.CASES))
+    parser.add_argument("--path", action="append",
+                        choices=["install", "zero_copy_host", "zero_copy_cuda"])
+    args = parser.parse_args()
+    for path in args.path or ["install", "zero_copy_host", "zero_copy_cuda"]:
+        print(json.dumps(run(path, args.case, args.workers, args.batches)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
