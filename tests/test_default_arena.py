@@ -68,7 +68,7 @@ def test_grows_by_segments_as_the_live_batches_need(self_sizing, caplog):
     before = fallbacks()
     srcs, outs = [], []
     with caplog.at_level(logging.WARNING, logger="fastpin"):
-        for i in range(15):   # 3 MB each, every one held: 45 MB live
+        for i in range(15):   # 3 MB (1.5 MB strided), every one held: 37.5 MB live
             src = ints(3 * MiB, i)
             # The three ways in: pin_tree (a dict), pin_batch (a namedtuple),
             # the Python pipeline (a non-contiguous leaf).
@@ -87,13 +87,13 @@ def test_grows_by_segments_as_the_live_batches_need(self_sizing, caplog):
             else:
                 assert o == s
     assert fastpin.default_arena() is arena
-    assert len(arena.segments) > 1 and 45 * MiB <= arena.capacity <= 256 * MiB
+    assert len(arena.segments) > 1 and 37 * MiB <= arena.capacity <= 256 * MiB
     assert arena.is_valid()
     # stats() sums the segments.
     s, per = fastpin.stats()["arena"], [seg.stats() for seg in arena.segments]
     for key in ("capacity", "bytes_in_use", "high_water"):
         assert s[key] == sum(p[key] for p in per), key
-    assert s["capacity"] == arena.capacity and s["bytes_in_use"] >= 45 * MiB
+    assert s["capacity"] == arena.capacity and s["bytes_in_use"] >= 37 * MiB
 
 
 def test_growth_under_concurrent_pins_never_past_its_cap(self_sizing):
@@ -321,10 +321,12 @@ def test_fork_while_it_grows(self_sizing, monkeypatch):
         ok = False
         try:
             assert not _runtime.process.arenas and _arena.made_default_arena() is None
+            # NumPy only: torch's own thread pool may hang in a child forked
+            # from a process that ran parallel torch ops.
             before = fallbacks()
-            mine = [ints(3 * MiB, 50 + i) for i in range(3)]
+            mine = [patterned((3 * MiB // 4,), np.int32, 50 + i) for i in range(3)]
             outs = [fastpin.pin_memory(m) for m in mine]
-            ok = all(torch.equal(o, m) for o, m in zip(outs, mine))
+            ok = all(np.array_equal(o, m) for o, m in zip(outs, mine))
             ok = ok and fastpin.default_arena() is not arena and fallbacks() == before
         finally:
             os._exit(0 if ok else 1)
@@ -341,4 +343,5 @@ def test_fork_while_it_grows(self_sizing, monkeypatch):
     thread.join(30)
     assert os.waitstatus_to_exitcode(status) == 0
     assert_same(result["out"], src)
-    assert len(arena.segments) == 2 and in_arena(result["out"], arena.segments[0])
+    # The first segment, empty and too small, went when the bigger one came.
+    assert arena.capacity > 2 * MiB and in_arena(result["out"], arena.newest)
