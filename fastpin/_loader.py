@@ -28,6 +28,7 @@ from typing import Any, Iterable, Optional
 
 from . import _C, _graphs, _modes, _numa, _torch
 from ._arena import cuda_available, default_arena, device_index
+from ._grow import GrowingArena
 from ._runtime import check_capacity, check_int, process, settings
 
 log = logging.getLogger("fastpin")
@@ -131,7 +132,7 @@ class Loader:
             zero_copy = arena is None and _zero_copy_applies(loader)
         elif not isinstance(zero_copy, bool):
             raise TypeError(f"fastpin.Loader: zero_copy must be True or False, not {zero_copy!r}")
-        if arena is not None and not isinstance(arena, _C.Arena):
+        if arena is not None and not isinstance(arena, (_C.Arena, GrowingArena)):
             raise TypeError("fastpin.Loader: arena must be a fastpin._C.Arena or None, not "
                             f"{type(arena).__name__}")
         if capacity is not None:

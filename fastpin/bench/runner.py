@@ -244,10 +244,11 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
     compute_ms: simulated compute per step: a GPU kernel that spins that long on the
         current stream (with no GPU: the main thread sleeps). 0: no compute.
     step: your own step, called with every delivered batch (instead of compute_ms).
-    capacity: bytes of each fastpin arena (default: fastpin.configure's, 1 GiB).
-        Zero-copy's shared arena gets at least room for the batches its workers
-        have in flight (prefetch_factor x num_workers, plus depth + 6), sized by
-        the largest batch the earlier paths saw, or by `batch_bytes` if given.
+    capacity: bytes of each fastpin arena (default: fastpin.configure's; unset, each
+        path's arena sizes itself as fastpin's default arena and zero-copy's do).
+        Given, zero-copy's shared arena gets at least room for the batches its
+        workers have in flight (prefetch_factor x num_workers, plus depth + 6),
+        sized by the largest batch the earlier paths saw, or by `batch_bytes`.
     depth: fastpin.Loader's batches prepared ahead.
     progress: a progress bar on stderr (tqdm where installed); or a
         fastpin.bench.progress.Progress to report to (one bar over many runs).
@@ -272,7 +273,7 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
                       max_seconds=max_seconds, machine=machine())
     runnable = [p for p in paths if why_not(p, target, host_reason) is None]
     reporter, own = reporter_for(progress, len(runnable) * (1 + warmup + batches), name)
-    capacity = int(capacity or get_capacity())
+    capacity = capacity or get_capacity()   # None: each path's arena sizes itself
     seen = {"batch_bytes": int(batch_bytes or 0)}   # the largest batch so far, for zero-copy
     try:
         for path in paths:
