@@ -161,9 +161,15 @@ def _figures(row: Row, t: _Timed, batches: int, max_seconds: Optional[float]) ->
 def _memory(row: Row, run: PathRun, gpu: bool, fallbacks0: int) -> None:
     """Pinned memory held and peak used; for fastpin's paths, the fallbacks."""
     arena = run.arena
-    if arena is None:   # torch's paths: its pinned cache, as the path left it
+    if run.loader is not None and run.loader.zero_copy:
+        # Zero-copy: its shared arena, every segment (a self-sizing one has
+        # none until the first batch, so run.arena may be None).
+        s = run.loader.stats()
+        held = s["pool_capacity"] if fastpin.cuda_available() else 0
+        used = s["pool_high_water"]
+    elif arena is None:   # torch's paths: its pinned cache, as the path left it
         held, used = torch_pinned(gpu), None
-    else:               # fastpin's: its page-locked arena (torch pinned nothing)
+    else:                 # fastpin's: its page-locked arena (torch pinned nothing)
         held, used = (arena.capacity if arena.registered else 0), arena.stats()["high_water"]
     row.pinned_mb = None if held is None else held / MB
     row.pool_peak_mb = None if used is None else used / MB
