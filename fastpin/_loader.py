@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 from . import _C, _graphs, _modes, _numa, _torch
 from ._arena import cuda_available, default_arena, device_index
@@ -259,10 +259,11 @@ class Loader:
         return getattr(self.loader, name)
 
     @property
-    def arena(self) -> Optional[_C.Arena]:
+    def arena(self) -> Union[_C.Arena, GrowingArena, None]:
         """The arena batches are staged or pinned in: the Loader's own, else the
-        default arena of its GPU. Zero-copy: the shared arena's newest segment
-        (None while a self-sizing one has seen no batch)."""
+        default arena of its GPU (a GrowingArena unless a capacity is configured).
+        Zero-copy: the shared arena's newest segment (None while a self-sizing one
+        has seen no batch)."""
         if self._pool is not None:
             return self._pool.newest()  # None until a self-sizing pool's first batch
         if self._arena is not None:
