@@ -143,8 +143,9 @@ def run(mode: str, args, rank: int, world: int, device: torch.device, dataset: P
               and index.tolist() == want
               and torch.equal(image, base + index.to(torch.int32).view(-1, *[1] * base.dim())))
         if mode == "fastpin" and not gpu:
-            arena = batches.arena
-            ok = ok and arena.base <= image.data_ptr() < arena.base + arena.capacity
+            # The default arena sizes itself: its segments (a fixed one: itself).
+            segments = getattr(batches.arena, "segments", (batches.arena,))
+            ok = ok and any(a.base <= image.data_ptr() < a.base + a.capacity for a in segments)
         if not ok and len(problems) < 3:
             problems.append(f"batch {step}: indices {index.tolist()[:4]}..., device {image.device}")
         exact = exact and ok

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
-from . import _C, _numa
+from . import _C, _numa, _segments
+from ._grow import GrowingArena
 from ._runtime import (
     MAX_CAPACITY,  # noqa: F401 - fastpin._arena.MAX_CAPACITY, as before
     MAX_THREADS,
@@ -28,6 +29,16 @@ log = logging.getLogger("fastpin")
 # there, so a batch read by GPU N is reused only after GPU N is done with it.
 # Held by _runtime (a forked child's is empty).
 _arenas = process.arenas
+
+# Where no capacity is set, a default arena starts with a segment of this many
+# bytes and grows to growth_cap() (see fastpin._grow).
+START_BYTES = 64 << 20
+
+
+def growth_cap(registered: bool) -> int:
+    """The most a self-sizing default arena grows to: a quarter of the memory this
+    process may use and, page-locked, half of RLIMIT_MEMLOCK where set (_segments)."""
+    return _segments.machine_cap(registered)
 
 
 class CudaStatus(NamedTuple):
@@ -51,18 +62,22 @@ def cuda_status() -> CudaStatus:
                       s["fence"])
 
 
-def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
+def configure(*, capacity: Union[int, str, None] = None, threads: Optional[int] = None,
               device: Any = None, on_full: Optional[str] = None,
               wait_timeout: Optional[float] = None,
               allow_unpinned: Optional[bool] = None, numa: Optional[bool] = None) -> None:
-    """Set the default arenas' cap in bytes (default 1 GiB, or FASTPIN_ARENA_BYTES),
-    the copy pool's size (default: the CPUs this process may use, at most 16, or
+    """Set the default arenas' capacity: a number of bytes (or FASTPIN_ARENA_BYTES)
+    makes each a fixed arena of that size; unset, or "auto", each sizes itself:
+    it starts at 64 MiB and grows by page-locked segments as the live batches need,
+    up to a cap of a quarter of the memory this process may use (the machine's, or
+    its cgroup's limit) and half of RLIMIT_MEMLOCK where that is set. Also the copy
+    pool's size (default: the CPUs this process may use, at most 16, or
     FASTPIN_THREADS) and the GPU that fastpin.pin_memory pins for when no device is
     named (default: the current one), named as fastpin.Loader names one: "cuda" (the
     current one), "cuda:N", N or a torch.device of type cuda, a GPU this machine has.
     Each GPU gets its own default arena, made on
-    first use. A new cap takes effect with new arenas; blocks of the old ones stay
-    valid until their tensors die.
+    first use. A new capacity takes effect with new arenas; blocks of the old ones
+    stay valid until their tensors die.
 
     numa (default True, or FASTPIN_NUMA=0 for False): on a machine of several NUMA
     nodes, put each GPU's arena in the memory of the GPU's node and run the copy
@@ -70,7 +85,8 @@ def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
     threads their affinity back; arenas made before keep their placement.
 
     on_full (default "fallback", or FASTPIN_ON_FULL): what a batch does when the
-    arena has no room for it, or is bigger than the cap: "fallback" pins it the
+    arena has no room for it (a self-sizing one: at its cap, or once the driver
+    refused to page-lock more), or is bigger than the cap: "fallback" pins it the
     ordinary way (PyTorch's pinning) and counts it in stats()["fallbacks"]; "wait"
     waits up to wait_timeout seconds (default 10) for room, then raises
     ArenaFullError (a batch bigger than the cap raises at once); "raise" raises
@@ -89,7 +105,8 @@ def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
         allow_unpinned = check_bool("allow_unpinned", allow_unpinned)
     if numa is not None:
         numa = check_bool("numa", numa)
-    if capacity is not None:
+    auto = isinstance(capacity, str) and capacity == "auto"
+    if capacity is not None and not auto:
         capacity = check_capacity(capacity)
     if threads is not None:
         threads = check_int("threads", threads, 0, MAX_THREADS,
@@ -103,8 +120,8 @@ def configure(*, capacity: Optional[int] = None, threads: Optional[int] = None,
     if allow_unpinned is not None:
         settings.allow_unpinned = allow_unpinned
     with process.lock:
-        if capacity is not None and capacity != settings.capacity:
-            settings.capacity = capacity
+        if capacity is not None and (None if auto else capacity) != settings.capacity:
+            settings.capacity = None if auto else capacity
             _arenas.clear()
         if device is not None:
             settings.device = index
@@ -143,8 +160,8 @@ def _check_device(device: Any) -> Optional[int]:
     return index
 
 
-def get_capacity() -> int:
-    """The configured cap of a new arena, bytes."""
+def get_capacity() -> Optional[int]:
+    """The configured capacity of a new default arena, bytes; None: it sizes itself."""
     return settings.capacity
 
 
@@ -254,7 +271,7 @@ def make_placed_arena(capacity: int, index: int, **kwargs) -> _C.Arena:
     return arena
 
 
-def made_default_arena(device: Any = None) -> Optional[_C.Arena]:
+def made_default_arena(device: Any = None) -> Union[_C.Arena, GrowingArena, None]:
     """The default arena of `device` if this process has made it, else None:
     unlike default_arena(), it makes (and page-locks) nothing."""
     if device is None and settings.device is None:
@@ -264,11 +281,13 @@ def made_default_arena(device: Any = None) -> Optional[_C.Arena]:
     return _arenas.get(device_index(device))
 
 
-def default_arena(device: Any = None) -> _C.Arena:
+def default_arena(device: Any = None) -> Union[_C.Arena, GrowingArena]:
     """The arena fastpin.pin_memory uses for `device` (see device_index: None is
-    the current GPU), made (and page-locked) on first use. Each GPU has its own,
-    registered in that GPU's primary context and no other. A forked child gets
-    fresh ones: the parent's registration does not cross fork."""
+    the current GPU), made (and page-locked) on first use: with a capacity set, a
+    fixed _C.Arena of that size; unset, a GrowingArena (fastpin._grow) of
+    START_BYTES that grows to growth_cap(). Each GPU has its own, registered in
+    that GPU's primary context and no other. A forked child gets fresh ones: the
+    parent's registration does not cross fork."""
     index = device_index(device)
     arena = _arenas.get(index)
     if arena is not None:
@@ -277,13 +296,31 @@ def default_arena(device: Any = None) -> _C.Arena:
         arena = _arenas.get(index)
         if arena is None:
             capacity = settings.capacity
-            arena = _arenas[index] = make_placed_arena(capacity, index)
+            if capacity is None:
+                arena = growing_arena(index)
+            else:
+                arena = make_placed_arena(capacity, index)
+            _arenas[index] = arena
             torch = sys.modules.get("torch")
             if arena.registered and torch is not None:
                 # torch answers is_pinned() False until its own CUDA state is
                 # initialised. This makes no context: the arena's device has its
                 # primary context already, and torch's pointer queries use it.
                 torch.cuda.init()
-            log.debug("fastpin: arena of %d bytes for device %d, %s", capacity, index,
+            log.debug("fastpin: arena of %d bytes (%s) for device %d, %s", arena.capacity,
+                      "fixed" if capacity else f"growing to {arena.cap}", index,
                       "page-locked" if arena.registered else "not page-locked (no GPU)")
         return arena
+
+
+def growing_arena(index: int) -> GrowingArena:
+    """A self-sizing arena for CUDA device `index` (-1: none): START_BYTES, growing
+    to growth_cap(); default_arena's, or one of its own (the benchmark's paths)."""
+    return GrowingArena(lambda nbytes: make_placed_arena(nbytes, index), START_BYTES,
+                        growth_cap(cuda_available()))
+
+
+def as_core_arena(arena: Union[_C.Arena, GrowingArena]) -> _C.Arena:
+    """The _C.Arena that C entry points taking one (h2d) get: a growing arena's newest
+    segment (every segment is of the same device)."""
+    return arena.newest if isinstance(arena, GrowingArena) else arena

@@ -24,10 +24,11 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 from . import _C, _graphs, _modes, _numa, _torch
 from ._arena import cuda_available, default_arena, device_index
+from ._grow import GrowingArena
 from ._runtime import check_capacity, check_int, process, settings
 
 log = logging.getLogger("fastpin")
@@ -131,7 +132,7 @@ class Loader:
             zero_copy = arena is None and _zero_copy_applies(loader)
         elif not isinstance(zero_copy, bool):
             raise TypeError(f"fastpin.Loader: zero_copy must be True or False, not {zero_copy!r}")
-        if arena is not None and not isinstance(arena, _C.Arena):
+        if arena is not None and not isinstance(arena, (_C.Arena, GrowingArena)):
             raise TypeError("fastpin.Loader: arena must be a fastpin._C.Arena or None, not "
                             f"{type(arena).__name__}")
         if capacity is not None:
@@ -252,10 +253,11 @@ class Loader:
         return getattr(self.loader, name)
 
     @property
-    def arena(self) -> Optional[_C.Arena]:
+    def arena(self) -> Union[_C.Arena, GrowingArena, None]:
         """The arena batches are staged or pinned in: the Loader's own, else the
-        default arena of its GPU. Zero-copy: the shared arena's newest segment
-        (None while a self-sizing one has seen no batch)."""
+        default arena of its GPU (a GrowingArena unless a capacity is configured).
+        Zero-copy: the shared arena's newest segment (None while a self-sizing one
+        has seen no batch)."""
         if self._pool is not None:
             return self._pool.newest()  # None until a self-sizing pool's first batch
         if self._arena is not None:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import _C, _leaves
-from ._arena import cuda_available, default_arena, policy
+from ._arena import as_core_arena, cuda_available, default_arena, policy
 from ._pin import pin_memory
 from ._walk import map_leaves
 from ._walk import nbytes as batch_nbytes
@@ -301,7 +301,7 @@ class CopyToDevice(PassThrough):
             pinned = self.pinned if self.pool is None else self.pool.newest()
             staging = (pinned if pinned is not None and all(c[3] for c in copies)
                        else self.staging.arena())
-            _C.h2d(staging, self.copy_stream.cuda_stream, copies)
+            _C.h2d(as_core_arena(staging), self.copy_stream.cuda_stream, copies)
         except _C.ArenaFullError:
             # Live pinned batches fill the arena: copy from pageable memory,
             # slower, never stuck. Copies already queued stay valid.

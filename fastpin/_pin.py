@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from . import _C, _graphs
 from ._arena import ON_FULL, cuda_available, default_arena, made_default_arena
+from ._grow import GrowingArena
 from ._runtime import count, counts, first, settings
 from ._leaves import Plan, is_leaf
 from ._walk import flatten, unflatten
@@ -22,12 +23,19 @@ class Fallback(Exception):
 def pin_with_policy(arena, plan, on_full: str):
     """The block of arena.pin(plan.sources, 1) (padding included), or what the
     full-arena policy says instead (raises Fallback when that is the ordinary
-    path)."""
+    path). A GrowingArena grows in its pin() first: the policy applies past its cap."""
     sources, total = plan.sources, plan.nbytes
-    if total > arena.capacity:
-        message = (f"a batch of {total} bytes cannot be pinned in an arena of "
-                   f"{arena.capacity} bytes: raise the cap with fastpin.configure(capacity=...) "
-                   "or FASTPIN_ARENA_BYTES")
+    growing = isinstance(arena, GrowingArena)
+    if total > (arena.cap if growing else arena.capacity):
+        if growing:
+            message = (f"a batch of {total} bytes is larger than the default arena's cap of "
+                       f"{arena.cap} bytes (a quarter of this machine's or cgroup's memory, and "
+                       "half of RLIMIT_MEMLOCK where set): pin it in a fixed arena of more with "
+                       "fastpin.configure(capacity=...) or FASTPIN_ARENA_BYTES")
+        else:
+            message = (f"a batch of {total} bytes cannot be pinned in an arena of "
+                       f"{arena.capacity} bytes: raise the cap with "
+                       "fastpin.configure(capacity=...) or FASTPIN_ARENA_BYTES")
         if on_full != "fallback":
             raise _C.ArenaFullError(message)
         if first("batch over the cap"):

@@ -35,7 +35,6 @@ from typing import Any, Optional
 
 from . import _C
 
-GiB = 1 << 30
 # The largest arena the core can carve (FP_MAX_CAPACITY in csrc/fastpin.h).
 MAX_CAPACITY = _C.MAX_CAPACITY
 MAX_THREADS = 1024  # fp_set_threads' bound
@@ -137,7 +136,8 @@ def zero_copy_max_bytes() -> Optional[int]:
 def read_environment() -> dict:
     """The settings the FASTPIN_* environment gives (defaults where unset), checked."""
     return {
-        "capacity": env_int("FASTPIN_ARENA_BYTES", GiB, 1, MAX_CAPACITY, CAPACITY_ALLOWED),
+        # None: the default arenas size themselves (fastpin._grow).
+        "capacity": env_int("FASTPIN_ARENA_BYTES", None, 1, MAX_CAPACITY, CAPACITY_ALLOWED),
         "threads": env_int("FASTPIN_THREADS", None, 1, MAX_THREADS,
                            f"a number of copy threads from 1 to {MAX_THREADS} (unset: "
                            "the CPUs this process may use, at most 16)"),

@@ -234,15 +234,19 @@ def _memory_bytes() -> int:
 
 def default_cap(registered: bool) -> int:
     """The most a self-sizing shared arena grows to, bytes: FASTPIN_ZERO_COPY_MAX_BYTES,
-    else a quarter of the memory this process may use and, when the arena is
-    page-locked, half of RLIMIT_MEMLOCK where that limit was set for it: finite
-    and at least 2 GiB. The small defaults (64 KiB, 8 MiB) are ignored: the CUDA
-    driver pins registered memory itself and does not charge it there (fastpin's
-    1 GiB default arena is page-locked under them); should a registration be
-    refused all the same, the arena stops growing and batches fall back."""
+    else machine_cap(registered)."""
     value = zero_copy_max_bytes()
-    if value is not None:
-        return value
+    return value if value is not None else machine_cap(registered)
+
+
+def machine_cap(registered: bool) -> int:
+    """The most a self-sizing arena (zero-copy's shared one, the default one)
+    grows to unless told: a quarter of the memory this process may use and,
+    when the arena is page-locked, half of RLIMIT_MEMLOCK where that limit was
+    set for it. The small defaults (64 KiB, 8 MiB) are ignored: the CUDA driver
+    pins registered memory itself and does not charge it there; should a
+    registration be refused all the same, the arena stops growing and batches
+    fall back."""
     cap = _memory_bytes() // 4
     if registered:
         try:

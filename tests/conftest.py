@@ -149,9 +149,10 @@ def shares_memory(a, b) -> bool:
 
 
 def in_arena(x, arena) -> bool:
-    """True when the data of tensor/array `x` lies inside `arena`'s region."""
+    """True when the data of tensor/array `x` lies inside `arena`'s region (a
+    self-sizing default arena's: one of its segments)."""
     ptr = x.data_ptr() if isinstance(x, torch.Tensor) else x.ctypes.data
-    return arena.base <= ptr < arena.base + arena.capacity
+    return any(a.base <= ptr < a.base + a.capacity for a in getattr(arena, "segments", (arena,)))
 
 
 def rss_bytes() -> int:

@@ -279,7 +279,7 @@ def test_default_arena():
 def test_configure_makes_a_new_default_arena():
     from fastpin import _arena
     old = fastpin.default_arena()
-    old_capacity = old.capacity
+    saved = _arena.get_capacity()   # None: self-sizing (the default)
     src = patterned((100,), torch.int32, 5)
     kept = fastpin.pin_memory(src)
     try:
@@ -292,7 +292,7 @@ def test_configure_makes_a_new_default_arena():
         with pytest.raises(ValueError):
             fastpin.configure(capacity=0)
     finally:
-        fastpin.configure(capacity=old_capacity)
+        fastpin.configure(capacity="auto" if saved is None else saved)
         _arena._arenas[_arena.device_index()] = old   # give the rest of the suite its arena back
 
 

@@ -180,6 +180,24 @@ def test_pin_table_says_too_short_instead_of_zero_gbps():
     assert "0.0082 GB/s" not in note and "--json" in note
 
 
+def test_pin_table_has_each_pinning_paths_cpu_seconds_per_gb():
+    """Issue 25: the pin table gives each pinning path's CPU-seconds per GB, every
+    thread of the process counted, at sizes from 64 KiB through 2, 4 and 8 MiB."""
+    pins = bench.pin_table([0.0625, 2], min_seconds=0, min_iters=3)
+    for row in pins["rows"]:
+        cpu = row["cpu_s_per_gb"]
+        assert set(cpu) == {k for k in row if k not in ("size_mb", "cpu_s_per_gb")}
+        assert all(v > 0 for v in cpu.values()), cpu
+    text = bench.format_pin_table(pins)
+    assert "CPU s/GB: torch pin 1 |" in text and "every thread of this process" in text
+    [row] = [ln for ln in text.splitlines() if ln.startswith("| 2 MiB |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 12
+    assert cells[-1] == f"{pins['rows'][1]['cpu_s_per_gb']['fastpin']:.3f}"
+    if not pins["gpu"]:
+        assert cells[-3:-1] == ["n/a", "n/a"]   # torch cannot pin here
+
+
 # ---- a short loader -----------------------------------------------------------------
 
 def test_a_short_loader_says_how_many_batches_each_path_timed():

@@ -261,10 +261,13 @@ def test_collate_in_workers_collates_like_default():
 def test_collate_ignores_on_full():
     """fastpin.collate follows the on_full policy like pin_memory: with the
     default arena full of live batches it falls back (stacks the ordinary
-    way, counted), waits, or raises, as configured."""
+    way, counted), waits, or raises, as configured. (A fixed default arena: a
+    self-sizing one is full only at its cap, tests/test_default_arena.py.)"""
     samples = [{"x": patterned((2, 3), torch.float32, i), "n": torch.tensor(i + 1)}
                for i in range(4)]
     ref = default_collate(samples)
+    saved = fastpin._arena.get_capacity()
+    fastpin.configure(capacity=1 << 20)
     arena = fastpin.default_arena()
     hold = arena.alloc(arena.capacity)           # a cap full of live batches
     try:
@@ -283,9 +286,12 @@ def test_collate_ignores_on_full():
     finally:
         fastpin.configure(on_full="fallback", wait_timeout=10)
         del hold
-    out = fastpin.collate(samples)
-    assert in_arena(out["x"], arena)
-    assert_same(out["x"], ref["x"])
+    try:
+        out = fastpin.collate(samples)
+        assert in_arena(out["x"], arena)
+        assert_same(out["x"], ref["x"])
+    finally:
+        fastpin.configure(capacity="auto" if saved is None else saved)
 
 
 # ---- zero-copy under install() --------------------------------------------------

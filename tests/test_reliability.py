@@ -48,7 +48,7 @@ def test_refused_registration_names_limit_and_fix(monkeypatch):
 
 
 def test_reading_stats_makes_no_arena():
-    # A 1 GiB page-locked arena as a side effect of reading counters would be
+    # A page-locked arena as a side effect of reading counters would be
     # memory the OS cannot page out, for nothing.
     r = run_script("""
         import fastpin

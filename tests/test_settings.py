@@ -80,7 +80,8 @@ def test_configure_accepts_good_settings():
         fastpin.configure(wait_timeout=2.5, capacity=MAX)
         assert _arena.policy()["wait_timeout"] == 2.5
     finally:
-        fastpin.configure(capacity=before[0], wait_timeout=before[1]["wait_timeout"])
+        fastpin.configure(capacity="auto" if before[0] is None else before[0],
+                          wait_timeout=before[1]["wait_timeout"])
         _runtime.settings.device = None
 
 

@@ -79,7 +79,7 @@ def tight_default_arena():
 
     yield set_cap
     capacity, policy = saved
-    fastpin.configure(capacity=capacity, on_full=policy["on_full"],
+    fastpin.configure(capacity="auto" if capacity is None else capacity, on_full=policy["on_full"],
                       wait_timeout=policy["wait_timeout"])
 
 

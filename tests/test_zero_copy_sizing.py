@@ -61,7 +61,7 @@ def small_memory(monkeypatch):
     old = fastpin._arena.get_capacity()
     fastpin.configure(capacity=8 * MB)
     yield 64 * MB
-    fastpin.configure(capacity=old)
+    fastpin.configure(capacity="auto" if old is None else old)
 
 
 @pytest.mark.parametrize("method,persistent", [("fork", False), ("fork", True), ("spawn", False),

@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="a short run: a few batches per path, smaller micro tables")
     parser.add_argument("--sizes", type=_mib, nargs="+",
-                        help="pin_sizes: batch sizes in MiB (default: 0.0625 0.25 1 16 256)")
+                        help="pin_sizes: batch sizes in MiB (default: 0.0625 0.25 1 2 4 8 16 256)")
     parser.add_argument("--seconds", type=_number(float, 0),
                         help="pin_sizes: least time spent timing each cell (default: 0.5)")
     parser.add_argument("--hang-report", type=_number(float, 0), default=300.0, metavar="SECONDS",
@@ -164,7 +164,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         workers=args.workers or [max(1, cpus - 1)], batches=args.batches,
         device=args.device, target=target, host_reason=host_reason,
         compute_ms=args.compute_ms, max_seconds=args.max_seconds,
-        sizes=args.sizes or ([0.0625, 1, 16] if quick else [0.0625, 0.25, 1, 16, 256]),
+        sizes=args.sizes or ([0.0625, 1, 16] if quick else [0.0625, 0.25, 1, 2, 4, 8, 16, 256]),
         seconds=args.seconds if args.seconds is not None else (0.1 if quick else 0.5),
         loader_workers=args.workers or sorted({min(8, max(1, cpus - 1)), max(1, cpus - 1)}),
         loader_batches=args.batches or (3 if quick else 300 if gpu else 10),

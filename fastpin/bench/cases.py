@@ -124,8 +124,9 @@ class WorkloadCase:
 _MICRO = [
     MicroCase(
         "pin_sizes", "pin_memory", "pin_memory of one batch",
-        "pin_memory of one batch of 64 KiB, 256 KiB, 1, 16, 256 MiB (--sizes): the machine's "
-        "memcpy rates, torch's pinning with 1 and N threads, fastpin.pin_memory",
+        "pin_memory of one batch of 64 KiB, 256 KiB, 1, 2, 4, 8, 16, 256 MiB (--sizes): the "
+        "machine's memcpy rates, torch's pinning with 1 and N threads, fastpin.pin_memory; "
+        "each pinning path's CPU-seconds per GB, every thread of the process",
         micro.format_pin_table, steps=lambda plan: len(plan.sizes),
         memory=lambda plan: 4 * max(plan.sizes) * MB + max(1 << 30, 3 * max(plan.sizes) * MB),
         measure=lambda plan, reporter: micro.pin_table(plan.sizes, min_seconds=plan.seconds,

@@ -35,11 +35,15 @@ _ROUNDS = 5
 
 
 def interleaved(fns: dict, *, calls: int = 1, seconds: float = 0.0, warmup: int = 3,
-                around: Optional[Callable[[str], ContextManager]] = None) -> dict:
+                around: Optional[Callable[[str], ContextManager]] = None,
+                cpu: Optional[dict] = None) -> dict:
     """The seconds of each call of each fn (name -> fn): at least `calls` calls
     and `seconds` of calls each, timed in _ROUNDS turns that go round every fn.
     `warmup` untimed calls open an fn's first turn, one each later turn; each
-    turn of an fn runs inside around(name) where given."""
+    turn of an fn runs inside around(name) where given. `cpu`, where given, gets
+    each fn's CPU-seconds over its timed calls, every thread of this process
+    counted (time.process_time: the copy pool's and torch's threads too, even
+    those that spin waiting for work)."""
     times: dict = {name: [] for name in fns}
     for turn in range(1, _ROUNDS + 1):
         for name, fn in fns.items():
@@ -47,20 +51,27 @@ def interleaved(fns: dict, *, calls: int = 1, seconds: float = 0.0, warmup: int 
             with around(name) if around is not None else contextlib.nullcontext():
                 for _ in range(warmup if turn == 1 else 1):
                     fn()
-                start = time.perf_counter()
+                start, cpu0 = time.perf_counter(), time.process_time()
                 while (len(out) * _ROUNDS < calls * turn
                        or time.perf_counter() - start < seconds / _ROUNDS):
                     t0 = time.perf_counter()
                     fn()
                     out.append(time.perf_counter() - t0)
+                if cpu is not None:
+                    cpu[name] = cpu.get(name, 0.0) + time.process_time() - cpu0
     return times
 
 
 def _time_cells(cells: dict, nbytes: int, min_seconds: float, min_iters: int) -> dict:
-    """Median GB/s of each cell's fn() (name -> (fn, torch threads))."""
+    """Median GB/s of each cell's fn() (name -> (fn, torch threads)), and under
+    "cpu_s_per_gb" each cell's CPU-seconds per GB copied (every thread of the process)."""
+    cpu: dict = {}
     times = interleaved({name: fn for name, (fn, _) in cells.items()}, calls=min_iters,
-                        seconds=min_seconds, around=lambda name: _Threads(cells[name][1]))
-    return {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
+                        seconds=min_seconds, around=lambda name: _Threads(cells[name][1]),
+                        cpu=cpu)
+    out: dict = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
+    out["cpu_s_per_gb"] = {name: cpu[name] / (len(t) * nbytes / 1e9) for name, t in times.items()}
+    return out
 
 
 class _Threads:
@@ -106,7 +117,8 @@ def pin_table(sizes_mb, min_seconds: float = 0.5, min_iters: int = 5,
     """Measure every pinning path at each size; returns the results as a dict."""
     gpu = fastpin.cuda_available() and torch.cuda.is_available()
     all_threads = torch.get_num_threads()
-    fastpin.configure(capacity=int(max(1 << 30, 3 * max(sizes_mb) * MB)))
+    # fastpin's default arena as configured: unset, it grows to the largest size
+    # in each row's untimed warm-up calls.
     rows = []
     for size_mb in sizes_mb:
         rows.append(_pin_row(size_mb, gpu, all_threads, min_seconds, min_iters))
@@ -248,7 +260,7 @@ def _loader_row(data, dtype_name: str, nw: int, g, gpu: bool, batches: int, batc
     dl = make()
     dl.pin_memory = False
     capacity = max(1 << 30, capacity_for(dl, batch_bytes, depth=2))  # Loader's depth
-    fastpin.configure(capacity=capacity)
+    # The copying Loader pins in the default arena as configured (unset: it sizes itself).
     row["copy_gbps"], row["copy_cpu_ms"] = measure(fastpin.Loader(dl, device=device), False)
     reporter.step_done(f"  {dtype_name} {workers_label(nw)}: fastpin.Loader done")
     dl = make()
@@ -328,13 +340,18 @@ def _cell(x, fastest: float) -> str:
     return "too short*" if x is not None and x * _TOO_SHORT < fastest else _fmt(x)
 
 
+# The pinning paths whose CPU-seconds per GB the pin table shows.
+_PIN_CPU = ("torch_pin_1", "torch_pin_n", "fastpin")
+
+
 def format_pin_table(result: dict) -> str:
     n, fp = result["torch_threads"], result["fastpin_threads"]
     lines = [
         f"| batch | memcpy 1 thread | memcpy {n} threads (torch) | memcpy {fp} threads (pool) | "
         f"torch pin 1 thread | torch pin {n} threads | fastpin ({fp} threads) | "
-        "fastpin / best memcpy | fastpin / torch pin 1 |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "fastpin / best memcpy | fastpin / torch pin 1 | "
+        f"CPU s/GB: torch pin 1 | torch pin {n} | fastpin |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     short = False
     for r in result["rows"]:
@@ -344,12 +361,17 @@ def format_pin_table(result: dict) -> str:
         cells = [_cell(r.get(k), fastest) for k in
                  ("memcpy_1", "memcpy_n", "memcpy_pool", "torch_pin_1", "torch_pin_n", "fastpin")]
         short = short or "too short*" in cells
+        cpu = r.get("cpu_s_per_gb", {})
+        cpu_cells = ["n/a" if cpu.get(k) is None else f"{cpu[k]:.3f}" for k in _PIN_CPU]
         lines.append(
             f"| {r['size_mb']:g} MiB | {' | '.join(cells)} | {r['fastpin'] / best:.2f}x | "
-            f"{'n/a' if t1 is None else format(r['fastpin'] / t1, '.2f') + 'x'} |")
+            f"{'n/a' if t1 is None else format(r['fastpin'] / t1, '.2f') + 'x'} | "
+            f"{' | '.join(cpu_cells)} |")
     lines.append("")
     lines.append("GB/s, median of repeated calls on the same patterned batch, the columns timed "
-                 "in five interleaved turns.")
+                 "in five interleaved turns. CPU s/GB: the CPU time of every thread of this "
+                 "process over a path's timed calls (its copy threads, torch's threads, and "
+                 "any that spin waiting), per GB pinned.")
     if short:
         lines.append(f"* too short: its median call took over {_TOO_SHORT}x as long as the "
                      "row's fastest memcpy of the same bytes: a copy this short timed threads "

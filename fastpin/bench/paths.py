@@ -144,8 +144,8 @@ class PathRun:
     factory: Callable[[bool], Iterable]  # loader_factory(pin_memory) -> a fresh loader
     target: Any                          # the CUDA device batches go to; None: the host
     depth: int = 2                       # fastpin.Loader's batches prepared ahead
-    capacity: Optional[int] = None       # bytes of the path's own arena; None: fastpin's
-                                         # defaults (the default arena; zero-copy sizes itself)
+    capacity: Optional[int] = None       # bytes of the path's own arena; None: one that
+                                         # sizes itself (zero-copy's too)
     batch_bytes: int = 0                 # the largest batch seen (zero-copy's room)
     arena: Any = None                    # set by the factory: the arena it pins in, if its own
     loader: Any = None                   # set by the factory: its fastpin.Loader, if any
@@ -155,11 +155,17 @@ class PathRun:
         if self.target is not None:
             self.consumer = torch.cuda.current_stream(self.target)
 
-    def own_arena(self) -> Optional[_C.Arena]:
-        """An arena of `capacity` bytes for this path alone (None: none asked for)."""
+    def own_arena(self) -> Any:
+        """An arena for this path alone: of `capacity` bytes, or (None) one that sizes
+        itself as fastpin's default arena does."""
+        cuda = fastpin.cuda_available()
+        index = self.target.index if self.target is not None else 0
         if self.capacity is not None:
-            index = self.target.index if self.target is not None else 0
-            self.arena = _C.Arena(self.capacity, device=index, cuda=fastpin.cuda_available())
+            self.arena = _C.Arena(self.capacity, device=index, cuda=cuda)
+        else:
+            from fastpin._arena import growing_arena
+
+            self.arena = growing_arena(index if cuda else -1)
         return self.arena
 
 

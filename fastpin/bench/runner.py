@@ -161,9 +161,15 @@ def _figures(row: Row, t: _Timed, batches: int, max_seconds: Optional[float]) ->
 def _memory(row: Row, run: PathRun, gpu: bool, fallbacks0: int) -> None:
     """Pinned memory held and peak used; for fastpin's paths, the fallbacks."""
     arena = run.arena
-    if arena is None:   # torch's paths: its pinned cache, as the path left it
+    if run.loader is not None and run.loader.zero_copy:
+        # Zero-copy: its shared arena, every segment (a self-sizing one has
+        # none until the first batch, so run.arena may be None).
+        s = run.loader.stats()
+        held = s["pool_capacity"] if fastpin.cuda_available() else 0
+        used = s["pool_high_water"]
+    elif arena is None:   # torch's paths: its pinned cache, as the path left it
         held, used = torch_pinned(gpu), None
-    else:               # fastpin's: its page-locked arena (torch pinned nothing)
+    else:                 # fastpin's: its page-locked arena (torch pinned nothing)
         held, used = (arena.capacity if arena.registered else 0), arena.stats()["high_water"]
     row.pinned_mb = None if held is None else held / MB
     row.pool_peak_mb = None if used is None else used / MB
@@ -244,10 +250,11 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
     compute_ms: simulated compute per step: a GPU kernel that spins that long on the
         current stream (with no GPU: the main thread sleeps). 0: no compute.
     step: your own step, called with every delivered batch (instead of compute_ms).
-    capacity: bytes of each fastpin arena (default: fastpin.configure's, 1 GiB).
-        Zero-copy's shared arena gets at least room for the batches its workers
-        have in flight (prefetch_factor x num_workers, plus depth + 6), sized by
-        the largest batch the earlier paths saw, or by `batch_bytes` if given.
+    capacity: bytes of each fastpin arena (default: fastpin.configure's; unset, each
+        path's arena sizes itself as fastpin's default arena and zero-copy's do).
+        Given, zero-copy's shared arena gets at least room for the batches its
+        workers have in flight (prefetch_factor x num_workers, plus depth + 6),
+        sized by the largest batch the earlier paths saw, or by `batch_bytes`.
     depth: fastpin.Loader's batches prepared ahead.
     progress: a progress bar on stderr (tqdm where installed); or a
         fastpin.bench.progress.Progress to report to (one bar over many runs).
@@ -272,7 +279,7 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
                       max_seconds=max_seconds, machine=machine())
     runnable = [p for p in paths if why_not(p, target, host_reason) is None]
     reporter, own = reporter_for(progress, len(runnable) * (1 + warmup + batches), name)
-    capacity = int(capacity or get_capacity())
+    capacity = capacity or get_capacity()   # None: each path's arena sizes itself
     seen = {"batch_bytes": int(batch_bytes or 0)}   # the largest batch so far, for zero-copy
     try:
         for path in paths:

@@ -125,7 +125,7 @@ def _run(dataset, *, batch_size: int, workers: int, device: torch.device,
                                            num_workers=workers, pin_memory=pin and cuda,
                                            drop_last=True, persistent_workers=False)
 
-    # capacity None: fastpin's defaults (the default arena; zero-copy sizes itself).
+    # capacity None: fastpin's defaults (arenas that size themselves).
     return _paths.PathRun(dl, device if cuda else None, depth=depth)
 
 
