@@ -25,7 +25,9 @@
 #                                three paths (about 6 minutes); lightning: Lightning's
 #                                Trainer through stock and install()
 #                                (benchmarks/lightning_install.py); none: all three
-#                                (over the device tool's 600 s: one call each)
+#                                (over the device tool's 600 s: one call each); check:
+#                                the queued-copies GPU test as the code was and as it is,
+#                                install()'s CPU by thread, the image cases, the GPU tests
 #   bash scripts/gpu.sh streams [OLD] build, the stream-safety tests under both fences
 #                                (cuCtxRecordEvent, FASTPIN_FENCE=sync) and
 #                                benchmarks/stream_race.py; with OLD (a directory
@@ -124,6 +126,16 @@ if [ "$what" = install ]; then
             --path zero_copy --workers 15 --max-seconds 2 --no-progress --json "$OUT/install.json"
         step timeout 200 python3 -m fastpin.bench_train --workers 15 --steps 30 \
             --path pin_memory --path zero_copy --path install
+    fi
+    if [ "$part" = check ]; then
+        t=tests/test_install.py::test_copies_queued_behind_the_gpu_wait_for_it_never_fall_back_for_good
+        echo "== the queued-copies test as the code was (workers fall back at once): expected to FAIL"
+        PYTHONPATH=scripts timeout 60 python3 -m pytest -q -p no:cacheprovider -p old_free_wait "$t" | tail -3
+        step timeout 60 python3 -m pytest -q -p no:cacheprovider "$t"
+        step timeout 60 env PYTHONPATH="$PWD" python3 benchmarks/install_threads.py --batches 100 --path install
+        step timeout 120 python3 -m fastpin.bench --case images_u8 --case images_f32 --path install \
+            --path zero_copy --workers 15 --max-seconds 2 --no-progress --json "$OUT/install_check.json"
+        step timeout 200 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests
     fi
     if [ "$part" = all ] || [ "$part" = lightning ]; then
         step timeout 300 env PYTHONPATH="$PWD" python3 benchmarks/lightning_install.py \
