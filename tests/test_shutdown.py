@@ -98,6 +98,10 @@ def both(kind, scenario, device="cpu"):
     """Runs scenario(loader) -> seconds for the plain DataLoader, then for a
     Loader around the same kind of DataLoader; checks fastpin's time and that
     nothing is left behind."""
+    # Forked workers inherit the garbage of earlier tests; one that frees a CUDA
+    # tensor of it aborts (CUDA cannot be used after fork: seen on the H200 in
+    # the plain DataLoader's run, in torch's caching allocator). Collect it first.
+    gc.collect()
     plain = scenario(make(kind, False))
     gc.collect()
     arena = _C.Arena(1 << 20, cuda=False) if device is None else None
