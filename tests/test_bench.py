@@ -97,6 +97,18 @@ def test_every_host_path_delivers_every_batch_in_order(workers):
         assert not fastpin.installed()    # the install path puts it back as it was
 
 
+@pytest.mark.parametrize("path", ["install", "zero_copy"])
+def test_worker_fallbacks_are_counted_for_the_install_path_too(path, monkeypatch):
+    """The H200 bench of 2026-12-02 printed fallbacks 0 for install() while its
+    workers fell back on every batch: the row counted the main process's own
+    fallbacks and a Loader's, never the pool install() gives the DataLoader."""
+    monkeypatch.setenv("FASTPIN_ZERO_COPY_MAX_BYTES", "4096")   # no batch fits: all fall back
+    res = bench.compare(factory(2), paths=[path], batches=4, warmup=1, device=None,
+                        progress=False)
+    row = res[path]
+    assert row.status == "ok", row.reason
+    assert row.fallbacks >= row.batches
+
 def test_gpu_paths_say_why_they_did_not_run():
     res = bench.compare(factory(), paths=None, batches=2, warmup=0, device=None, progress=False)
     rows = by_path(res)

@@ -149,6 +149,7 @@ class PathRun:
     batch_bytes: int = 0                 # the largest batch seen (zero-copy's room)
     arena: Any = None                    # set by the factory: the arena it pins in, if its own
     loader: Any = None                   # set by the factory: its fastpin.Loader, if any
+    pool: Any = None                     # set by install's: the shared pool of its workers
     consumer: Any = dataclasses.field(init=False, default=None)  # the target's current stream
 
     def __post_init__(self):
@@ -289,8 +290,8 @@ def installed(loader: Any, run: PathRun) -> Iterator:
             it = iter(loader)
         try:
             for batch in it:
-                if run.arena is None and loader in process.installed_pools:
-                    run.arena = process.installed_pools[loader][1].newest()
+                if run.pool is None and loader in process.installed_pools:
+                    run.pool = process.installed_pools[loader][1]
                 yield batch if run.target is None else to_device(batch, run.target)
         finally:
             shutdown(it)

@@ -167,6 +167,10 @@ def _memory(row: Row, run: PathRun, gpu: bool, fallbacks0: int) -> None:
         s = run.loader.stats()
         held = s["pool_capacity"] if fastpin.cuda_available() else 0
         used = s["pool_high_water"]
+    elif run.pool is not None:  # install(): the pool its DataLoader's workers write into
+        s = run.pool.stats() or {}
+        held = s.get("capacity", 0) if fastpin.cuda_available() else 0
+        used = s.get("high_water", 0)
     elif arena is None:   # torch's paths: its pinned cache, as the path left it
         held, used = torch_pinned(gpu), None
     else:                 # fastpin's: its page-locked arena (torch pinned nothing)
@@ -177,6 +181,8 @@ def _memory(row: Row, run: PathRun, gpu: bool, fallbacks0: int) -> None:
         row.fallbacks = fastpin.stats()["fallbacks"] - fallbacks0
         if run.loader is not None:
             row.fallbacks += run.loader.stats()["fallbacks"]
+        if run.pool is not None:   # its workers' (the main process's own are above)
+            row.fallbacks += (run.pool.stats() or {}).get("fallbacks", 0)
 
 
 def run_path(path: str, run: PathRun, *, batches: int, warmup: int,
@@ -217,7 +223,7 @@ def run_path(path: str, run: PathRun, *, batches: int, warmup: int,
             watch.cancel()
         if feed is not None:
             feed.close()
-        feed = run.loader = run.arena = None
+        feed = run.loader = run.arena = run.pool = None
         settle(gpu)
         if reinstall:
             fastpin.install()

@@ -167,7 +167,7 @@ def _path_ips(path: str, trainer: _Trainer, dataset, workers: int, steps: int, w
     except Exception as exc:  # noqa: BLE001 - one path failing ends no others
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
-        run.loader = run.arena = None
+        run.loader = run.arena = run.pool = None
 
 
 def train_table(workers: Sequence[int] = (8, 15), steps: int = 50, warmup: int = 5,
