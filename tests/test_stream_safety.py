@@ -182,19 +182,29 @@ class TestPinnedByFastpinThreads:
         return torch.utils.data.DataLoader(Images(48, self.N), batch_size=self.BATCH,
                                            num_workers=workers, pin_memory=True)
 
-    def test_install_pin_thread_side_stream(self, tight_default_arena):
-        tight_default_arena(self.ONE)  # one batch: the next must reuse its block
-        fastpin.install()
+    def install(self, zero_copy, tight_default_arena, monkeypatch):
+        """install() as each kind of batch gets it, with room for about one batch,
+        so the next must reuse its block: pinned by copy in the pin thread (into
+        the default arena), or zero-copy (the workers' shared pool, capped)."""
+        tight_default_arena(self.ONE)
+        if zero_copy:
+            monkeypatch.setenv("FASTPIN_ZERO_COPY_MAX_BYTES", str(2 * self.ONE))
+        fastpin.install(zero_copy=zero_copy)
+
+    @pytest.mark.parametrize("zero_copy", [False, True])
+    def test_install_pin_thread_side_stream(self, zero_copy, tight_default_arena, monkeypatch):
+        self.install(zero_copy, tight_default_arena, monkeypatch)
         try:
             corrupt, n = side_stream_epoch(self.loader(), self.N, 100, 0.08, torch.cuda.Stream())
         finally:
             fastpin.uninstall()
         assert n == 12 and corrupt == 0
 
-    def test_install_pin_thread_external_stream(self, tight_default_arena):
-        tight_default_arena(self.ONE)
+    @pytest.mark.parametrize("zero_copy", [False, True])
+    def test_install_pin_thread_external_stream(self, zero_copy, tight_default_arena,
+                                                monkeypatch):
         cuda, handle = _raw_stream()
-        fastpin.install()
+        self.install(zero_copy, tight_default_arena, monkeypatch)
         try:
             ext = torch.cuda.ExternalStream(handle.value)
             corrupt, n = side_stream_epoch(self.loader(), self.N, 100, 0.08, ext)
@@ -207,8 +217,9 @@ class TestPinnedByFastpinThreads:
     def test_loader_host_mode_side_stream(self, tight_default_arena):
         tight_default_arena(self.ONE)
         dl = torch.utils.data.DataLoader(Images(48, self.N), batch_size=self.BATCH, num_workers=1)
-        corrupt, n = side_stream_epoch(fastpin.Loader(dl, device=None, depth=1), self.N, 100,
-                                       0.08, torch.cuda.Stream())
+        # The copying Loader (zero-copy has its own test below), in the tight default arena.
+        corrupt, n = side_stream_epoch(fastpin.Loader(dl, device=None, depth=1, zero_copy=False),
+                                       self.N, 100, 0.08, torch.cuda.Stream())
         assert n == 12 and corrupt == 0
 
     def test_loader_host_mode_external_stream(self, tight_default_arena):
@@ -218,8 +229,8 @@ class TestPinnedByFastpinThreads:
             ext = torch.cuda.ExternalStream(handle.value)
             dl = torch.utils.data.DataLoader(Images(48, self.N), batch_size=self.BATCH,
                                              num_workers=1)
-            corrupt, n = side_stream_epoch(fastpin.Loader(dl, device=None, depth=1), self.N,
-                                           100, 0.08, ext)
+            corrupt, n = side_stream_epoch(fastpin.Loader(dl, device=None, depth=1,
+                                                          zero_copy=False), self.N, 100, 0.08, ext)
         finally:
             torch.cuda.synchronize()
             cuda.cuStreamDestroy_v2(handle)
