@@ -11,6 +11,14 @@
  * waits only for the chunks pool threads still hold. Runs are served oldest
  * first; a caller only ever copies its own run, so its latency never depends
  * on someone else's.
+ *
+ * Idle workers sleep on a condition variable, so a run pays a futex wake per
+ * thread it wakes. With fp_copier_set_spin(ns > 0) a worker that copied a
+ * chunk stays ready for up to ns afterwards, polling `gen` (bumped under the
+ * lock with every run queued, and by stop) without the lock, and takes the
+ * next run without being woken; the caller wakes only the sleepers its run
+ * needs beyond the spinners. A spinner always takes the lock and looks at the
+ * queue before it sleeps, so a run queued while it spun is never missed.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -21,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "fastpin.h"
@@ -36,6 +45,8 @@
 /* Cuts inside an entry end on this boundary of the destination, so two
  * threads never write the same cache line. */
 #define FP_COPIER_CUT_ALIGN 64
+/* A spinner reads the clock once per this many polls of `gen`. */
+#define FP_COPIER_SPIN_POLLS 64
 
 typedef struct fp_run_s {
     const fp_copy_t *copies; /* the caller's entries; read-only while queued */
@@ -67,6 +78,15 @@ struct fp_copier_s {
     fp_run_t *head;        /* oldest run with unclaimed bytes; copier->lock */
     fp_run_t *tail;        /* newest; copier->lock */
     int idle;              /* workers waiting on `work`; copier->lock */
+    int spinning;          /* workers polling `gen` between runs; written
+                              under copier->lock by atomics, read unlocked
+                              (relaxed) as a hint by fp_copier_run */
+    unsigned gen;          /* bumped by every queued run and by stop;
+                              written under copier->lock by atomics, polled
+                              unlocked by spinners (acquire) */
+    uint64_t spin_ns;      /* how long a worker stays ready after a chunk
+                              (0: sleeps at once); atomic
+                              (fp_copier_set_spin) */
     int stop;              /* set once by destroy; copier->lock */
     int threads;           /* total parallelism, caller included; read-only */
     int nworkers;          /* pool threads started (threads - 1); read-only
@@ -128,7 +148,9 @@ static int fp_copier_is_valid(const fp_copier_t *c)
         if (r->offset >= r->copies[r->next].size || r->inflight < 0)
             return 0;
     }
-    return c->tail == prev && c->idle >= 0 && c->idle <= c->nworkers;
+    int spinning = fp_atomic_load_relaxed(&c->spinning);
+    return c->tail == prev && c->idle >= 0 && spinning >= 0 &&
+           c->idle + spinning <= c->nworkers;
 }
 #define FP_COPIER_CHECK(c)                                                 \
     do {                                                                   \
@@ -208,13 +230,66 @@ static void fp_chunk_copy(const fp_copy_t *copies, fp_chunk_t ch, int stream)
 
 /* ---- the pool ------------------------------------------------------------ */
 
+static uint64_t fp_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Tells the core the thread is polling, so a sibling hyperthread gets the
+ * pipeline meanwhile. */
+static inline void fp_cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield" ::: "memory");
+#else
+    sched_yield();
+#endif
+}
+
+/* Called with the lock held and the queue empty. Until `until` (a
+ * fp_now_ns time), polls for a new run with the lock dropped; returns with
+ * the lock held again: 1 when `gen` moved (a run was queued, or stop), 0
+ * when the time ran out. The caller looks at the queue either way. */
+static int fp_copier_spin(fp_copier_t *c, uint64_t until)
+{
+    unsigned gen = fp_atomic_load_relaxed(&c->gen); /* stable: we hold the lock */
+    int moved = 0;
+    fp_atomic_add_acq_rel(&c->spinning, 1);
+    pthread_mutex_unlock(&c->lock);
+    for (unsigned polls = 1;; polls++) {
+        if (fp_atomic_load_acquire(&c->gen) != gen) {
+            moved = 1;
+            break;
+        }
+        if (polls % FP_COPIER_SPIN_POLLS == 0 && fp_now_ns() >= until)
+            break;
+        fp_cpu_relax();
+    }
+    pthread_mutex_lock(&c->lock);
+    fp_atomic_sub_acq_rel(&c->spinning, 1);
+    return moved;
+}
+
 static void *fp_copier_worker(void *arg)
 {
     fp_copier_t *c = arg;
+    uint64_t ready_until = 0; /* stays ready (spins) until then */
 
     pthread_mutex_lock(&c->lock);
     for (;;) {
         while (!c->stop && c->head == NULL) {
+            if (ready_until > 0 && fp_now_ns() < ready_until) {
+                /* Moved but nothing left (the caller and others took it):
+                 * spin on, to the same time. */
+                if (!fp_copier_spin(c, ready_until))
+                    ready_until = 0;
+                continue;
+            }
+            ready_until = 0;
             c->idle++;
             pthread_cond_wait(&c->work, &c->lock);
             c->idle--;
@@ -230,6 +305,8 @@ static void *fp_copier_worker(void *arg)
         /* inflight > 0 keeps the caller, and so `run`, waiting for us. */
         fp_chunk_copy(run->copies, ch, run->stream);
 
+        uint64_t spin = fp_atomic_load_relaxed(&c->spin_ns);
+        ready_until = spin ? fp_now_ns() + spin : 0;
         pthread_mutex_lock(&c->lock);
         if (--run->inflight == 0 && fp_run_exhausted(run))
             pthread_cond_signal(&run->done);
@@ -238,11 +315,12 @@ static void *fp_copier_worker(void *arg)
     return NULL;
 }
 
-/* Stops and joins the first `n` workers. */
+/* Stops and joins the first `n` workers; spinners see `gen` move. */
 static void fp_copier_stop(fp_copier_t *c, int n)
 {
     pthread_mutex_lock(&c->lock);
     c->stop = 1;
+    fp_atomic_add_acq_rel(&c->gen, 1);
     pthread_cond_broadcast(&c->work);
     pthread_mutex_unlock(&c->lock);
     for (int i = 0; i < n; i++)
@@ -364,6 +442,22 @@ void fp_copier_set_streaming(fp_copier_t *copier, int on)
     fp_atomic_store_release(&copier->stream, on && FP_HAVE_STREAMING);
 }
 
+int fp_copier_set_spin(fp_copier_t *copier, uint64_t ns)
+{
+    if (copier == NULL)
+        return fp_error_set(FP_EINVAL, "copier spin: NULL copier");
+    if (ns > FP_COPIER_SPIN_MAX)
+        return fp_error_set(FP_EINVAL, "copier spin: %llu ns is more than the most, %llu",
+                            (unsigned long long)ns, (unsigned long long)FP_COPIER_SPIN_MAX);
+    fp_atomic_store_release(&copier->spin_ns, ns);
+    return FP_OK;
+}
+
+uint64_t fp_copier_spin_ns(const fp_copier_t *copier)
+{
+    return fp_atomic_load_relaxed(&copier->spin_ns);
+}
+
 /* The calling thread's affinity into a set of `ncpu` CPUs (grown past 1024
  * as fp_cpu_count does); returns the set or NULL with the error set. */
 static cpu_set_t *fp_affinity_of_caller(size_t *ncpu)
@@ -454,19 +548,29 @@ int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count)
     }
 
     int stream = fp_copier_streams(copier) && total >= FP_COPIER_STREAM;
-    if (total <= FP_COPIER_INLINE || copier->nworkers == 0) {
+    /* Runs from FP_COPIER_INLINE_SPIN up to FP_COPIER_INLINE are shared
+     * only while workers spin (they take a run for the price of a lock; a
+     * sleeper's wake costs more than it saves), only with those, and in
+     * smaller chunks. The count is a hint, read without the lock: a spinner
+     * that has gone to sleep meanwhile leaves its share to the caller. */
+    size_t spinning = 0;
+    if (fp_atomic_load_relaxed(&copier->spin_ns) > 0)
+        spinning = (size_t)fp_atomic_load_relaxed(&copier->spinning);
+    int spin_only = total <= FP_COPIER_INLINE;
+    if ((spin_only && (spinning == 0 || total <= FP_COPIER_INLINE_SPIN)) ||
+        copier->nworkers == 0) {
         for (size_t i = 0; i < count; i++)
             if (copies[i].size > 0)
                 fp_copy_bytes(copies[i].dst, copies[i].src, copies[i].size, stream);
         return FP_OK;
     }
 
-    size_t chunk = total / ((size_t)copier->threads *
-                            FP_COPIER_CHUNKS_PER_THREAD);
+    size_t parts = spin_only ? spinning + 1 : (size_t)copier->threads;
+    size_t chunk = total / (parts * FP_COPIER_CHUNKS_PER_THREAD);
     if (chunk > FP_COPIER_CHUNK)
         chunk = FP_COPIER_CHUNK;
-    if (chunk < FP_COPIER_CHUNK_MIN)
-        chunk = FP_COPIER_CHUNK_MIN;
+    if (chunk < (spin_only ? FP_COPIER_CHUNK_MIN_SPIN : FP_COPIER_CHUNK_MIN))
+        chunk = spin_only ? FP_COPIER_CHUNK_MIN_SPIN : FP_COPIER_CHUNK_MIN;
 
     fp_run_t run = {.copies = copies, .count = count, .chunk = chunk, .stream = stream};
     pthread_cond_init(&run.done, NULL);
@@ -474,11 +578,16 @@ int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count)
 
     pthread_mutex_lock(&copier->lock);
     fp_queue_push(copier, &run);
+    fp_atomic_add_acq_rel(&copier->gen, 1);
     fp_chunk_t ch = fp_run_claim(copier, &run);
-    /* Wake as many workers as there are chunks left, and no more. */
-    size_t left = fp_run_exhausted(&run)
+    /* Wake as many workers as there are chunks left, and no more (none for
+     * a run only spinners share); spinners count as awake: each takes the
+     * lock and looks at the queue before it could sleep. */
+    size_t left = fp_run_exhausted(&run) || spin_only
                       ? 0
                       : (total - ch.bytes + chunk - 1) / chunk;
+    spinning = (size_t)fp_atomic_load_relaxed(&copier->spinning);
+    left = left > spinning ? left - spinning : 0;
     size_t idle = (size_t)copier->idle;
     FP_COPIER_CHECK(copier);
     pthread_mutex_unlock(&copier->lock);

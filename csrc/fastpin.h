@@ -550,6 +550,22 @@ int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count);
  * with the next run. */
 int fp_copier_streams(const fp_copier_t *copier);
 void fp_copier_set_streaming(fp_copier_t *copier, int on);
+/* How long, in nanoseconds, a pool thread stays ready after copying a chunk,
+ * polling for the next run rather than sleeping until woken (0, the default:
+ * it sleeps at once). While some are, runs above FP_COPIER_INLINE_SPIN up to
+ * FP_COPIER_INLINE are shared with the spinning threads alone (none is
+ * woken), in chunks from FP_COPIER_CHUNK_MIN_SPIN; larger runs wake only the
+ * sleepers they need beyond the spinners. The CPU a spinner burns is at most
+ * ns per chunk it copied. Set from any thread, taking effect with each
+ * thread's next chunk; FP_EINVAL past FP_COPIER_SPIN_MAX. Not yet a user
+ * setting: measurements pick the default and the cut-overs. */
+#define FP_COPIER_SPIN_MAX ((uint64_t)10000000) /* 10 ms */
+#ifndef FP_COPIER_INLINE_SPIN
+#define FP_COPIER_INLINE_SPIN ((size_t)256 << 10)
+#endif
+#define FP_COPIER_CHUNK_MIN_SPIN ((size_t)64 << 10)
+int fp_copier_set_spin(fp_copier_t *copier, uint64_t ns);
+uint64_t fp_copier_spin_ns(const fp_copier_t *copier);
 /* The number of CPUs this process may run on (sched_getaffinity). */
 int fp_cpu_count(void);
 

@@ -73,6 +73,7 @@ fp_copier_t *fp_get_copier(fp_state *st)
         st->copier_pid = fp_pid();
         st->resize = 0;
         fp_copier_set_streaming(st->copier, !st->no_streaming);
+        (void)fp_copier_set_spin(st->copier, st->spin_ns); /* checked by set_spin */
         /* set_affinity checked the list against this process's CPUs; should
          * a new pool's threads be refused them now, they run unpinned. */
         if (st->ncpus)
@@ -306,6 +307,30 @@ static PyObject *fp_get_streaming(PyObject *module, PyObject *Py_UNUSED(ignored)
     return copier ? PyBool_FromLong(fp_copier_streams(copier)) : NULL;
 }
 
+/* set_spin(ns): how long the copy pool's threads stay ready after a chunk
+ * (fp_copier_set_spin); applies to the running pool at once and to every pool
+ * made later in this process. Not yet a user setting. */
+static PyObject *fp_set_spin(PyObject *module, PyObject *arg)
+{
+    fp_state *st = PyModule_GetState(module);
+    uint64_t ns;
+    if (fp_u64_arg(arg, "spin", 0, FP_COPIER_SPIN_MAX, "0 to 10000000 (ns)", &ns))
+        return NULL;
+    st->spin_ns = ns;
+    if (st->copier && fp_same_process(st->copier_pid)) {
+        int status = fp_copier_set_spin(st->copier, ns);
+        if (status)
+            return fp_raise(st, status);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *fp_get_spin(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    fp_copier_t *copier = fp_get_copier(PyModule_GetState(module));
+    return copier ? PyLong_FromUnsignedLongLong(fp_copier_spin_ns(copier)) : NULL;
+}
+
 static PyObject *fp_current_device(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
     (void)module;
@@ -428,6 +453,11 @@ static PyMethodDef fp_methods[] = {
     {"streaming", fp_get_streaming, METH_NOARGS,
      "Whether the copy pool's large runs use streaming stores."},
     {"get_threads", fp_get_threads, METH_NOARGS, "Size of the copy pool."},
+    {"set_spin", fp_set_spin, METH_O,
+     "set_spin(ns)\nHow long the copy pool's threads stay ready after a chunk, polling for the\n"
+     "next run instead of sleeping (0, the default: they sleep at once; at most 10 ms)."},
+    {"get_spin", fp_get_spin, METH_NOARGS,
+     "get_spin() -> int\nNanoseconds the copy pool's threads stay ready after a chunk."},
     {"current_device", fp_current_device, METH_NOARGS,
      "The CUDA ordinal of the context current in this thread, or -1 (none, or no driver)."},
     {"block_size", fp_block_size, METH_O,
