@@ -81,7 +81,8 @@ struct fp_copier_s {
     int spinning;          /* workers polling `gen` between runs; written
                               under copier->lock by atomics, read unlocked
                               (relaxed) as a hint by fp_copier_run */
-    unsigned gen;          /* bumped by every queued run and by stop;
+    unsigned gen;          /* bumped by every run queued with chunks left
+                              for the pool, and by stop;
                               written under copier->lock by atomics, polled
                               unlocked by spinners (acquire) */
     uint64_t spin_ns;      /* how long a worker stays ready after a chunk
@@ -95,6 +96,11 @@ struct fp_copier_s {
                               stores; atomic (fp_copier_set_streaming) */
     pid_t pid;             /* process that started the pool; read-only */
     pthread_t *workers;    /* nworkers handles; create and destroy only */
+#ifdef FP_TEST
+    uint64_t test_spun;    /* chunks taken by a worker that spun, not woken;
+                              copier->lock */
+    uint64_t test_spin_runs; /* runs shared with spinners only; copier->lock */
+#endif
 };
 
 /* ---- runs and chunks (all under copier->lock) --------------------------- */
@@ -269,7 +275,18 @@ static int fp_copier_spin(fp_copier_t *c, uint64_t until)
             break;
         fp_cpu_relax();
     }
-    pthread_mutex_lock(&c->lock);
+    /* The caller that moved `gen` holds the lock a moment longer: poll for
+     * it rather than sleep in the mutex, which would cost the caller a
+     * wake when it lets go. */
+    for (unsigned tries = 0;; tries++) {
+        if (pthread_mutex_trylock(&c->lock) == 0)
+            break;
+        if (!moved || tries >= FP_COPIER_SPIN_POLLS * 16) {
+            pthread_mutex_lock(&c->lock);
+            break;
+        }
+        fp_cpu_relax();
+    }
     fp_atomic_sub_acq_rel(&c->spinning, 1);
     return moved;
 }
@@ -278,6 +295,7 @@ static void *fp_copier_worker(void *arg)
 {
     fp_copier_t *c = arg;
     uint64_t ready_until = 0; /* stays ready (spins) until then */
+    int spun = 0;             /* the last look at the queue followed a spin */
 
     pthread_mutex_lock(&c->lock);
     for (;;) {
@@ -287,15 +305,27 @@ static void *fp_copier_worker(void *arg)
                  * spin on, to the same time. */
                 if (!fp_copier_spin(c, ready_until))
                     ready_until = 0;
+                spun = 1;
                 continue;
             }
             ready_until = 0;
+            spun = 0;
             c->idle++;
             pthread_cond_wait(&c->work, &c->lock);
             c->idle--;
+            /* Woken for a run: should the caller have finished it alone
+             * meanwhile, stay ready for the next. */
+            uint64_t spin = fp_atomic_load_relaxed(&c->spin_ns);
+            ready_until = spin ? fp_now_ns() + spin : 0;
         }
         if (c->stop)
             break;
+#ifdef FP_TEST
+        c->test_spun += (uint64_t)spun;
+#else
+        (void)spun;
+#endif
+        spun = 0;
         fp_run_t *run = c->head;
         fp_chunk_t ch = fp_run_claim(c, run);
         run->inflight++;
@@ -458,6 +488,16 @@ uint64_t fp_copier_spin_ns(const fp_copier_t *copier)
     return fp_atomic_load_relaxed(&copier->spin_ns);
 }
 
+#ifdef FP_TEST
+void fp_copier_test_counts(fp_copier_t *copier, uint64_t *spun, uint64_t *spin_runs)
+{
+    pthread_mutex_lock(&copier->lock);
+    *spun = copier->test_spun;
+    *spin_runs = copier->test_spin_runs;
+    pthread_mutex_unlock(&copier->lock);
+}
+#endif
+
 /* The calling thread's affinity into a set of `ncpu` CPUs (grown past 1024
  * as fp_cpu_count does); returns the set or NULL with the error set. */
 static cpu_set_t *fp_affinity_of_caller(size_t *ncpu)
@@ -578,8 +618,12 @@ int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count)
 
     pthread_mutex_lock(&copier->lock);
     fp_queue_push(copier, &run);
-    fp_atomic_add_acq_rel(&copier->gen, 1);
+#ifdef FP_TEST
+    copier->test_spin_runs += (uint64_t)spin_only;
+#endif
     fp_chunk_t ch = fp_run_claim(copier, &run);
+    if (!fp_run_exhausted(&run))
+        fp_atomic_add_acq_rel(&copier->gen, 1); /* spinners: a run to share */
     /* Wake as many workers as there are chunks left, and no more (none for
      * a run only spinners share); spinners count as awake: each takes the
      * lock and looks at the queue before it could sleep. */

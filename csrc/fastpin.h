@@ -566,6 +566,11 @@ void fp_copier_set_streaming(fp_copier_t *copier, int on);
 #define FP_COPIER_CHUNK_MIN_SPIN ((size_t)64 << 10)
 int fp_copier_set_spin(fp_copier_t *copier, uint64_t ns);
 uint64_t fp_copier_spin_ns(const fp_copier_t *copier);
+#ifdef FP_TEST
+/* Chunks workers took after spinning (no wake), and runs shared with
+ * spinners only, since create: for the C tests. */
+void fp_copier_test_counts(fp_copier_t *copier, uint64_t *spun, uint64_t *spin_runs);
+#endif
 /* The number of CPUs this process may run on (sched_getaffinity). */
 int fp_cpu_count(void);
 

@@ -9,7 +9,8 @@
 #   bash scripts/gpu.sh measure [pin|loader]  build, then
 #                                pin: the GPU tests of pin_memory's C fast path,
 #                                the Loader's modes and the core, pin_small.py,
-#                                pin_parts.py, pin_steady.py, driver_calls.c,
+#                                pin_parts.py, pin_steady.py, pool_spin.py (the copy
+#                                pool's spinning workers: time and CPU), driver_calls.c,
 #                                the pin table (64 KB to 1 GB) with
 #                                streaming stores on and off (about 5 minutes);
 #                                loader: zero-copy CPU per batch by thread (15
@@ -95,6 +96,7 @@ if [ "$what" = measure ]; then
         step timeout 120 env PYTHONPATH="$PWD" python3 benchmarks/pin_small.py
         step timeout 60 env PYTHONPATH="$PWD" python3 benchmarks/pin_parts.py --sizes 65536 1048576
         step timeout 60 env PYTHONPATH="$PWD" python3 benchmarks/pin_steady.py --windows 6
+        step timeout 90 env PYTHONPATH="$PWD" python3 benchmarks/pool_spin.py --json "$OUT/pool_spin.json"
         step timeout 60 bash -c "gcc -O2 -I${CUDA_HOME:-/usr/local/cuda}/include -o /tmp/driver_calls \
             benchmarks/driver_calls.c -ldl && /tmp/driver_calls"
         for s in 1 0; do

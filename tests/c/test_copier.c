@@ -364,13 +364,15 @@ static void test_threads_arg(void)
     fp_copier_destroy(c);
 }
 
-static void test_fork(void)
+/* With `spin`, the fork comes while the workers spin. */
+static void test_fork(uint64_t spin)
 {
     fp_copier_t *c;
     if (fp_copier_create(&c, 3) != FP_OK) {
         CHECK(0, "create(3): %s", fp_error_message());
         return;
     }
+    fp_copier_set_spin(c, spin);
     size_t size = 3 * CHUNK;
     check_run(c, &size, 1, 0, 0, 99, "before fork");
 
@@ -411,6 +413,201 @@ static void test_fork(void)
           "child failed: status %#x", status);
     check_run(c, &size, 1, 0, 0, 100, "after fork, parent");
     fp_copier_destroy(c);
+}
+
+/* ---- spinning workers (fp_copier_set_spin) ------------------------------ */
+
+#define INLINE_SPIN FP_COPIER_INLINE_SPIN
+#define CHUNK_MIN_SPIN FP_COPIER_CHUNK_MIN_SPIN
+/* Long enough that workers are still spinning when the next run comes, even
+ * under the sanitizers; whether they are is never asserted (timing). */
+#define SPIN_NS ((uint64_t)5000000)
+
+/* Sizes just below, at and above every cut-over: the spin-only range's ends,
+ * its smallest chunk, the inline threshold, the chunks, streaming. */
+static const size_t spin_sizes[] = {
+    CHUNK_MIN_SPIN - 1, CHUNK_MIN_SPIN, CHUNK_MIN_SPIN + 1,
+    INLINE_SPIN - 1, INLINE_SPIN, INLINE_SPIN + 1, 2 * INLINE_SPIN + 3,
+    INLINE - 1, INLINE, INLINE + 1,
+    CHUNK_MIN - 1, CHUNK_MIN, CHUNK_MIN + 1,
+    CHUNK - 1, CHUNK, CHUNK + 1,
+    STREAM - 1, STREAM, STREAM + 1,
+};
+#define NSPIN_SIZES (sizeof spin_sizes / sizeof *spin_sizes)
+
+static void test_spin_setter(void)
+{
+    fp_copier_t *c;
+    if (fp_copier_create(&c, 3) != FP_OK) {
+        CHECK(0, "create(3): %s", fp_error_message());
+        return;
+    }
+    CHECK(fp_copier_spin_ns(c) == 0, "spin starts at %llu, not 0",
+          (unsigned long long)fp_copier_spin_ns(c));
+    CHECK(fp_copier_set_spin(c, FP_COPIER_SPIN_MAX) == FP_OK, "max refused: %s",
+          fp_error_message());
+    CHECK(fp_copier_spin_ns(c) == FP_COPIER_SPIN_MAX, "spin not set");
+    CHECK(fp_copier_set_spin(c, FP_COPIER_SPIN_MAX + 1) == FP_EINVAL, "past max accepted");
+    CHECK(strstr(fp_error_message(), "spin") != NULL, "message: %s", fp_error_message());
+    CHECK(fp_copier_spin_ns(c) == FP_COPIER_SPIN_MAX, "a refused value changed spin");
+    CHECK(fp_copier_set_spin(NULL, 1) == FP_EINVAL, "NULL copier accepted");
+    CHECK(fp_copier_set_spin(c, 0) == FP_OK, "0 refused");
+    fp_copier_destroy(c);
+}
+
+/* A run larger than FP_COPIER_INLINE (so workers copy, then spin), then at
+ * once the run of `size` under test, then both checked. */
+static void check_after_warm(fp_copier_t *c, size_t size, size_t off, uint64_t seed,
+                             const char *what)
+{
+    buf_t warm, b;
+    buf_init(&warm, 2 * CHUNK + 1, 0, 0, seed ^ 0x5555);
+    buf_init(&b, size, off % 61, off % 67, seed);
+    fp_copy_t w = {warm.dst, warm.src, warm.size}, one = {b.dst, b.src, b.size};
+    int rc = fp_copier_run(c, &w, 1);
+    int rc2 = fp_copier_run(c, &one, 1);
+    CHECK(rc == FP_OK && rc2 == FP_OK, "%s: runs returned %d, %d: %s", what, rc, rc2,
+          fp_error_message());
+    buf_verify(&warm, what);
+    buf_verify(&b, what);
+    buf_free(&warm);
+    buf_free(&b);
+}
+
+/* Every size around the cut-overs, spin 0 and spin > 0, a run of many small
+ * entries in the spin-only range; with spin 0 no worker ever spins and no
+ * run is shared with spinners only (today's behaviour exactly). */
+static void test_spin_sizes(int threads, uint64_t seed)
+{
+    fp_copier_t *c;
+    if (fp_copier_create(&c, threads) != FP_OK) {
+        CHECK(0, "create(%d): %s", threads, fp_error_message());
+        return;
+    }
+    const uint64_t spins[] = {0, SPIN_NS, 20000};
+    for (size_t k = 0; k < sizeof spins / sizeof *spins; k++) {
+        CHECK(fp_copier_set_spin(c, spins[k]) == FP_OK, "set_spin: %s", fp_error_message());
+        for (size_t s = 0; s < NSPIN_SIZES; s++)
+            for (size_t o = 0; o < 3; o++) {
+                char what[128];
+                snprintf(what, sizeof what, "threads=%d spin=%llu size=%zu off=%zu", threads,
+                         (unsigned long long)spins[k], spin_sizes[s], o * 7);
+                check_after_warm(c, spin_sizes[s], o * 7, seed + k * 1000 + s * 8 + o, what);
+            }
+        enum { N = 3000 };
+        size_t *tiny = xmalloc(N * sizeof *tiny);
+        for (size_t i = 0; i < N; i++)
+            tiny[i] = mix(seed + i) % 200; /* ~300 KB: the spin-only range */
+        size_t big = 2 * CHUNK + 1;
+        check_run(c, &big, 1, 0, 0, seed + k, "warm before tiny");
+        check_run(c, tiny, N, 1, 2, seed + k + 77, "3000 tiny, spin range");
+        free(tiny);
+        uint64_t spun, spin_runs;
+        fp_copier_test_counts(c, &spun, &spin_runs);
+        if (spins[k] == 0)
+            CHECK(spun == 0 && spin_runs == 0,
+                  "spin 0: %llu chunks taken spinning, %llu spin-only runs",
+                  (unsigned long long)spun, (unsigned long long)spin_runs);
+        else
+            printf("    threads=%d spin=%llu ns: %llu chunks taken spinning, "
+                   "%llu spin-only runs so far\n", threads, (unsigned long long)spins[k],
+                   (unsigned long long)spun, (unsigned long long)spin_runs);
+    }
+    fp_copier_destroy(c);
+}
+
+typedef struct spin_caller_s {
+    fp_copier_t *copier; /* shared by all callers */
+    int id;              /* which caller */
+    int iterations;      /* runs to make */
+} spin_caller_t;
+
+static void *spin_caller_main(void *arg)
+{
+    spin_caller_t *t = arg;
+    for (int it = 0; it < t->iterations; it++) {
+        size_t sizes[3] = {spin_sizes[(size_t)(it * 5 + t->id) % NSPIN_SIZES],
+                           (size_t)(it % 3) * 100, 0};
+        if (it % 4 == 0)
+            sizes[2] = spin_sizes[(size_t)(it + 3 * t->id) % NSPIN_SIZES];
+        char what[64];
+        snprintf(what, sizeof what, "spin caller %d iteration %d", t->id, it);
+        check_run(t->copier, sizes, 3, (size_t)it % 11, (size_t)t->id,
+                  ((uint64_t)t->id << 40) + (uint64_t)it + 17, what);
+    }
+    return NULL;
+}
+
+/* Several callers at once with spinning workers, sizes around every
+ * cut-over; one more thread turns spin on and off meanwhile. */
+typedef struct spin_toggle_s {
+    fp_copier_t *copier; /* the pool */
+    int stop;            /* atomic: set by main when the callers are done */
+} spin_toggle_t;
+
+static void *spin_toggle_main(void *arg)
+{
+    spin_toggle_t *t = arg;
+    const uint64_t values[] = {SPIN_NS, 0, 1000, 100000, 0, SPIN_NS};
+    for (unsigned i = 0; !fp_atomic_load_acquire(&t->stop); i++) {
+        fp_copier_set_spin(t->copier, values[i % 6]);
+        struct timespec ts = {0, 300000};
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
+
+static void test_spin_concurrent(int threads, int callers, int iterations, int toggle)
+{
+    fp_copier_t *c;
+    if (fp_copier_create(&c, threads) != FP_OK) {
+        CHECK(0, "create(%d): %s", threads, fp_error_message());
+        return;
+    }
+    fp_copier_set_spin(c, SPIN_NS);
+    pthread_t tid[16], tog;
+    spin_caller_t args[16];
+    spin_toggle_t targ = {c, 0};
+    if (toggle && pthread_create(&tog, NULL, spin_toggle_main, &targ) != 0)
+        exit(2);
+    for (int i = 0; i < callers; i++) {
+        args[i] = (spin_caller_t){c, i, iterations};
+        if (pthread_create(&tid[i], NULL, spin_caller_main, &args[i]) != 0)
+            exit(2);
+    }
+    for (int i = 0; i < callers; i++)
+        pthread_join(tid[i], NULL);
+    if (toggle) {
+        fp_atomic_store_release(&targ.stop, 1);
+        pthread_join(tog, NULL);
+    }
+    fp_copier_destroy(c); /* while workers spin */
+}
+
+/* Destroy right after a run, while the workers spin for up to 10 ms: stop
+ * must reach them (they see `gen` move) and the joins return. */
+static void test_spin_create_destroy(int loops)
+{
+    double worst = 0;
+    for (int i = 0; i < loops; i++) {
+        fp_copier_t *c;
+        int threads = 2 + i % 5;
+        if (fp_copier_create(&c, threads) != FP_OK) {
+            CHECK(0, "create(%d): %s", threads, fp_error_message());
+            return;
+        }
+        fp_copier_set_spin(c, i % 4 == 3 ? 0 : FP_COPIER_SPIN_MAX);
+        if (i % 2 == 0) {
+            size_t size = 2 * CHUNK + (size_t)i;
+            check_run(c, &size, 1, (size_t)i % 5, 0, (uint64_t)i + 9000, "spin create/destroy");
+        }
+        double t0 = now();
+        fp_copier_destroy(c);
+        if (now() - t0 > worst)
+            worst = now() - t0;
+    }
+    printf("    destroy while spinning (10 ms): slowest of %d took %.2f ms\n", loops,
+           worst * 1e3);
 }
 
 /* Informational: one 64 MiB copy at several pool sizes. */
@@ -478,8 +675,20 @@ int main(void)
     test_create_destroy(1000 / SLOW);
     printf("  create/destroy loop done (%.1f s)\n", now() - t0);
 
-    test_fork();
+    test_fork(0);
+    test_fork(FP_COPIER_SPIN_MAX);
     printf("  fork done (%.1f s)\n", now() - t0);
+
+    test_spin_setter();
+    test_spin_sizes(2, 70001);
+    test_spin_sizes(5, 80001);
+    printf("  spin sizes done (%.1f s)\n", now() - t0);
+    test_spin_concurrent(4, 6, 120 / SLOW, 0);
+    test_spin_concurrent(3, 4, 120 / SLOW, 1);
+    test_spin_concurrent(0, 4, 60 / SLOW, 1);
+    printf("  spin, concurrent callers done (%.1f s)\n", now() - t0);
+    test_spin_create_destroy(200 / SLOW);
+    printf("  spin create/destroy done (%.1f s)\n", now() - t0);
 
     if (SLOW == 1)
         report_speed();
