@@ -49,6 +49,32 @@ void fp_record_leaf(const fp_record_t *r, uint32_t i, fp_record_leaf_t *out)
     }
 }
 
+/* Whether a tensor's DLPack type is one fastpin exports (fastpin/_dtypes.py's
+ * table; DLPack's codes): nothing else goes to torch, whose import keeps,
+ * and never frees, a tensor it refuses. */
+static int fp_record_dtype_ok(unsigned code, unsigned bits, unsigned lanes)
+{
+    if (code == 17) /* float4_e2m1fn_x2 */
+        return bits == 4 && lanes == 2;
+    if (lanes != 1)
+        return 0;
+    switch (code) {
+    case 0: /* int */
+    case 1: /* uint */
+        return bits == 8 || bits == 16 || bits == 32 || bits == 64;
+    case 2: /* float */
+        return bits == 16 || bits == 32 || bits == 64;
+    case 4: /* bfloat */
+        return bits == 16;
+    case 5: /* complex */
+        return bits == 32 || bits == 64 || bits == 128;
+    case 6: /* bool */
+    case 10: case 11: case 12: case 13: case 14: /* the float8s */
+        return bits == 8;
+    }
+    return 0;
+}
+
 /* Whether leaf i is one the binding can make, inside a block of
  * `block_size` bytes; FP_EINVAL saying why not. */
 static int fp_record_check_leaf(const fp_record_t *r, uint32_t i, uint64_t block_size)
@@ -72,7 +98,11 @@ static int fp_record_check_leaf(const fp_record_t *r, uint32_t i, uint64_t block
         return fp_error_set(FP_EINVAL, "layout record: leaf %u names object %u of %u", i,
                             l.object, r->nobjects);
     if (l.kind == FP_RECORD_TENSOR) {
-        if (!l.bits || !l.type || l.itemsize != ((uint32_t)l.bits * l.type + 7) / 8)
+        if (!fp_record_dtype_ok(l.code, l.bits, l.type))
+            return fp_error_set(FP_EINVAL, "layout record: leaf %u: DLPack type (code %u, %u "
+                                "bits, %u lanes) is none fastpin exports", i, l.code, l.bits,
+                                l.type);
+        if (l.itemsize != ((uint32_t)l.bits * l.type + 7) / 8)
             return fp_error_set(FP_EINVAL, "layout record: leaf %u: %u-byte elements of %u "
                                 "bits x %u lanes", i, l.itemsize, l.bits, l.type);
     } else {

@@ -123,7 +123,8 @@ static void write_seed(void)
         static const uint8_t bits[] = {8, 16, 32, 64};
         uint8_t b = bits[rng() % 4];
         if (rng() % 2) {
-            rw_tensor(&w, offset, ndim, shape, (uint8_t)(rng() % 3), b);
+            uint8_t code = (uint8_t)(rng() % 3); /* int, uint, float (of 16 bits or more) */
+            rw_tensor(&w, offset, ndim, shape, code, code == 2 && b == 8 ? 16 : b);
         } else {
             for (int k = ndim - 1, step = 1; k >= 0; k--) {
                 strides[k] = step;

@@ -125,6 +125,9 @@ static void test_each_lie_is_refused(void)
     refuse_entry(0, 8, 100, "not a multiple");           /* unaligned */
     refuse_entry(8, 8, 47, "bytes for");                 /* nbytes */
     refuse_entry(16, 4, 8, "elements of");               /* itemsize vs bits */
+    refuse_entry(32, 1, 3, "none fastpin exports");      /* DLPack code: opaque */
+    refuse_entry(33, 1, 24, "none fastpin exports");     /* float of 24 bits */
+    refuse_entry(28, 2, 2, "none fastpin exports");      /* two lanes of float32 */
     refuse_entry(24, 4, 4, "names object");              /* dtype object */
     refuse_entry(30, 1, 9, "unknown kind");
     refuse_entry(31, 1, 65, "dimensions");
