@@ -32,6 +32,9 @@
  *                blocks (stage.c)
  *   fp_pid       this process, for every object that must tell whether it is
  *                still in the process that made it (prim.c)
+ *   fp_record_t  a zero-copy batch's layout record, checked against its block
+ *                before anything is made from it (record.c): what a worker
+ *                sends beside the block, read by block_record.c in one call
  *
  * NUMA: an arena may be created with a node, whose memory it prefers
  * (mbind before any page is touched), and the pool's threads may be pinned
@@ -39,7 +42,7 @@
  * device) is found in Python (fastpin/_numa.py); the core only applies it.
  *
  * Everything here is plain C: only the bindings (module.c, arena_type.c,
- * block_type.c, batch.c) and dlpack.c include Python.h.
+ * block_type.c, batch.c, block_record.c) and dlpack.c include Python.h.
  * Functions return an int status (FP_OK on success) and leave a message in
  * a thread-local buffer (fp_error_message()); module.c turns it into an
  * exception.

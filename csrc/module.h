@@ -1,6 +1,6 @@
 /* What the binding files of fastpin._C share (module.c, arena_type.c,
- * block_type.c, batch.c, block_record.c): the module state, the two object types and the
- * helpers that raise, read an argument, find the copy pool and wrap a lease. Not part of the core's interface (fastpin.h). Include it
+ * block_type.c, batch.c, block_record.c): the module state, the two object
+ * types and the helpers that raise, read an argument, find the copy pool and wrap a lease. Not part of the core's interface (fastpin.h). Include it
  * after numpy/arrayobject.h (with the file's own NO_IMPORT_ARRAY choice):
  * fp_block_array takes a PyArray_Descr. */
 #ifndef FASTPIN_MODULE_H
