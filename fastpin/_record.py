@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from . import _C, _leaves
 from ._walk import _KEEP, _LEAF, _LIST, _MAP, _TUPLE, _Flat, unflatten
+from ._walk import nbytes as batch_nbytes
 
 MAGIC, VERSION = 0x31525046, 1
 HEADER = struct.Struct("<IHHIIIIQ")            # 32 bytes
@@ -70,9 +71,10 @@ def _describe(layout: _leaves.Layout) -> tuple:
     return d
 
 
-def _nodes(spec, leaves, layouts, nodes: bytearray, objects: list) -> bool:
-    """The structure's nodes into `nodes`, its objects into `objects`; False
-    when the record cannot carry it."""
+def _nodes(spec, leaves, layouts, nodes: bytearray, objects: list, kept: list) -> bool:
+    """The structure's nodes into `nodes`, its objects into `objects` (those
+    in the batch's values also into `kept`); False when the record cannot
+    carry it."""
     if type(spec) is _Flat:
         nodes += _COUNT.pack(_FLAT[spec.kind], len(leaves))
         if spec.kind is dict:
@@ -81,6 +83,7 @@ def _nodes(spec, leaves, layouts, nodes: bytearray, objects: list) -> bool:
             if layout is None:
                 nodes.append(ORDINARY)
                 objects.append(x)
+                kept.append(x)
             else:
                 nodes.append(LEAF)
         return True
@@ -96,11 +99,13 @@ def _nodes(spec, leaves, layouts, nodes: bytearray, objects: list) -> bool:
             if layout is None:
                 nodes.append(ORDINARY)
                 objects.append(x)
+                kept.append(x)
             else:
                 nodes.append(LEAF)
         elif kind == _KEEP:
             nodes.append(ORDINARY if _leaves.is_leaf(data) else OBJECT)
             objects.append(data)
+            kept.append(data)
         else:
             node = _CONTAINER.get(kind)
             if node is None or type(data) is not _TYPE[node]:
@@ -116,20 +121,26 @@ def _nodes(spec, leaves, layouts, nodes: bytearray, objects: list) -> bool:
 
 
 def encode(spec, leaves: list, plan: "_leaves.Plan") -> tuple:
-    """(record, objects, tree) for the batch flatten gave as (spec, leaves),
-    placed in a block by `plan`: tree is None where the record carries the
-    structure, else the structure with a Slot for each leaf."""
+    """(record, objects, tree, nbytes) for the batch flatten gave as (spec,
+    leaves), placed in a block by `plan`: tree is None where the record
+    carries the structure, else the structure with a Slot for each leaf;
+    nbytes, the tensor and array bytes of the whole batch (_walk.nbytes), for
+    the Loader's stats, counted here rather than by a walk in the main
+    process."""
     nodes = bytearray()
     objects: list = []
+    kept: list = []
     layouts = plan.layouts
     tree = None
-    if not _nodes(spec, leaves, layouts, nodes, objects):
+    if not _nodes(spec, leaves, layouts, nodes, objects, kept):
         nodes = bytearray(_COUNT.pack(LIST, len(leaves)))
         objects = []
+        kept = [data for kind, data, _ in spec if kind == _KEEP]  # in the Slot tree
         for x, layout in zip(leaves, layouts):
             if layout is None:
                 nodes.append(ORDINARY)
                 objects.append(x)
+                kept.append(x)
             else:
                 nodes.append(LEAF)
         tree = unflatten(spec, [Slot(i) for i in range(len(leaves))])
@@ -154,7 +165,8 @@ def encode(spec, leaves: list, plan: "_leaves.Plan") -> tuple:
     record = b"".join((HEADER.pack(MAGIC, VERSION, ENTRY.size, plan.placed, len(dims),
                                    len(nodes), len(objects), 0),
                        entries, struct.pack(f"<{len(dims)}q", *dims), nodes))
-    return record, tuple(objects), tree
+    nbytes = plan.data_bytes + sum(map(batch_nbytes, kept))
+    return record, tuple(objects), tree, nbytes
 
 
 def decode(block: _C.Block, record: bytes, objects: tuple, tree: Optional[Any],

@@ -129,7 +129,8 @@ def _plan(tree, is_leaf=_placeable):
 def _pack(tree, arena: _C.Arena, is_leaf=_placeable):
     """Copy every tensor/array leaf of `tree` (placeholders stacked in place) into
     one new block; returns (block, its layout record, the record's objects, the
-    Slot tree or None: see _record.encode). Raises ArenaFullError."""
+    Slot tree or None, the batch's bytes: see _record.encode). Raises
+    ArenaFullError."""
     spec, leaves, plan = _plan(tree, is_leaf)
     block, _ = arena.pin(plan.sources, 1)
     plan.fill(block)
@@ -144,7 +145,7 @@ class _Shipped:
 
     def __init__(self, token, index, nbytes, layout, block=None, ship=None):
         self.token, self.index, self.nbytes = token, index, nbytes
-        self.layout = layout  # (record, objects, tree)
+        self.layout = layout  # (record, objects, tree, data bytes): _record.encode
         self.block = block    # the worker's hold, given up once pickled
         self.ship = ship      # None: for a Loader; install(): (pool id, pin thread)
 
@@ -166,10 +167,11 @@ class _Shipped:
 class Adopted:
     """A shipped batch in the main process, its block adopted."""
 
-    __slots__ = ("block", "record", "objects", "tree")
+    __slots__ = ("block", "record", "objects", "tree", "nbytes")
 
-    def __init__(self, block, record, objects, tree):
+    def __init__(self, block, record, objects, tree, nbytes):
         self.block, self.record, self.objects, self.tree = block, record, objects, tree
+        self.nbytes = nbytes  # the batch's tensor and array bytes
 
     def views(self, ordinary=None, leaf=None):
         """The batch, its leaves views of the block (leaf(view) where given),
@@ -197,25 +199,25 @@ class PinnedInWorkers(Adopted):
         return self.views(torch_pin.pin_memory)
 
 
-def _adopt(token, index, nbytes, record, objects, tree):
+def _adopt(token, index, nbytes, record, objects, tree, data_bytes):
     arena = _registry().get(token)
     if arena is None:
         raise RuntimeError(
             "fastpin: a batch arrived from a zero-copy worker, but its arena is not known in "
             "this process (unpickled outside the Loader that made it?)")
-    return Adopted(arena.adopt(index, nbytes), record, objects, tree)
+    return Adopted(arena.adopt(index, nbytes), record, objects, tree, data_bytes)
 
 
-def _adopt_installed(token, index, nbytes, record, objects, tree, pool, pin_thread):
+def _adopt_installed(token, index, nbytes, record, objects, tree, data_bytes, pool, pin_thread):
     """A batch of an iterator fastpin.install() set up, as it is unpickled in the
     main process (the pin thread, or the iterator itself where none runs): for
     the pin thread to make into views (PinnedInWorkers), or its views now."""
     own = _pools.get(pool)
     if own is not None:
         own.collect()  # only this process can see the GPU finish with blocks
-    batch = _adopt(token, index, nbytes, record, objects, tree)
+    batch = _adopt(token, index, nbytes, record, objects, tree, data_bytes)
     if pin_thread:
-        return PinnedInWorkers(batch.block, record, objects, tree)
+        return PinnedInWorkers(batch.block, record, objects, tree, data_bytes)
     return receive(batch)[0]
 
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import fastpin
 from conftest import patterned, settle
-from fastpin import _C, _pin, _record, _zerocopy
+from fastpin import _C, _pin, _record, _walk, _zerocopy
 from fastpin._dtypes import torch_carrier
 
 MB = 1 << 20
@@ -107,6 +107,13 @@ def same(out, ref, where="batch"):
         assert out == ref, where
 
 
+def data_bytes(batch) -> int:
+    """_walk.nbytes(batch) (what the Loader's stats count), by a walk that
+    does not recurse: batches here nest deeper than Python's frames allow."""
+    arrays = _walk.flatten(batch, lambda x: isinstance(x, (torch.Tensor, np.ndarray)))[1]
+    return sum(map(_walk.nbytes, arrays))
+
+
 def inside(x, block) -> bool:
     """x's bytes lie in the block (an empty tensor has no address to check)."""
     ptr = x.data_ptr() if isinstance(x, torch.Tensor) else x.ctypes.data
@@ -163,7 +170,9 @@ def test_what_the_record_cannot_carry_keeps_its_path(shared, copies):
     w = patterned((4, 3), torch.float32, 5).requires_grad_()
     obj = np.array([1, "x", None], dtype=object)
     m = np.ma.masked_array(patterned((2, 3), np.float64, 6), mask=[[1, 0, 0], [0, 1, 0]])
-    out = zero_copy({"w": w, "obj": obj, "m": m}, shared)
+    batch = {"w": w, "obj": obj, "m": m, "deeper": [{"m": m}]}
+    assert _zerocopy._pack(batch, shared)[4] == data_bytes(batch)
+    out = zero_copy(batch, shared)
     assert out["w"].requires_grad and out["w"].is_leaf and torch.equal(out["w"], w)
     assert type(out["obj"]) is np.ndarray and out["obj"].tolist() == obj.tolist()
     same(out["m"], fastpin.pin_memory(m, arena=copies))
@@ -214,8 +223,9 @@ def _carried_elsewhere():
 @pytest.mark.parametrize("name", list(_structures()))
 def test_structures_the_record_carries(name, shared, copies):
     batch = _structures()[name]
-    block, record, objects, tree = _zerocopy._pack(batch, shared)
+    block, record, objects, tree, nbytes = _zerocopy._pack(batch, shared)
     assert tree is None  # the record carries the structure: no object per leaf
+    assert nbytes == data_bytes(batch)  # what the Loader's stats count
     del block
     out = zero_copy(batch, shared)
     same(out, fastpin.pin_memory(batch, arena=copies))
@@ -226,8 +236,9 @@ def test_structures_beside_the_record(name, shared, copies):
     """Containers the record has no node for travel as a tree of slots; the
     leaves are still made in one call."""
     batch = _carried_elsewhere()[name]
-    block, record, objects, tree = _zerocopy._pack(batch, shared)
+    block, record, objects, tree, nbytes = _zerocopy._pack(batch, shared)
     assert tree is not None
+    assert nbytes == data_bytes(batch)
     del block
     out = zero_copy(batch, shared)
     same(out, fastpin.pin_memory(batch, arena=copies))
@@ -401,6 +412,6 @@ def test_a_record_for_a_bigger_block_is_refused(shared):
 def test_encode_is_what_the_parser_reads(shared):
     """The writer's constants are the C core's (fastpin.h)."""
     batch = {"a": patterned((2, 3), torch.int16, 1)}
-    _, record, objects, tree = _zerocopy._pack(batch, shared)
+    _, record, objects, tree, _ = _zerocopy._pack(batch, shared)
     assert record[:4] == b"FPR1" and _record.HEADER.size == 32 and _record.ENTRY.size == 40
     assert objects == ("a",) and tree is None
