@@ -23,7 +23,8 @@ typedef struct {
     const fp_record_t *r;
     PyObject *const *objects;   /* borrowed from the caller's tuple */
     PyObject *ordinary;         /* borrowed callable for leaves not in the block, or NULL */
-    PyObject *leaf;             /* borrowed callable for each view, or NULL */
+    PyObject *leaf;             /* borrowed: a callable for each view, a list of the
+                                   leaves themselves, or NULL */
     PyObject *from_dlpack;      /* a reference to torch.from_dlpack, where torch has no
                                    exchange API; else NULL */
     size_t at;                  /* next node byte */
@@ -124,6 +125,15 @@ static PyObject *fp_unpack_node(fp_unpack_t *u)
     int kind = fp_record_node(u->r, &u->at, &n);
     switch (kind) {
     case FP_RECORD_NODE_LEAF:
+        if (u->leaf && PyList_Check(u->leaf)) { /* made by the caller (device views) */
+            uint32_t i = u->next_leaf++;
+            if ((Py_ssize_t)i >= PyList_GET_SIZE(u->leaf)) {
+                PyErr_Format(PyExc_ValueError, "unpack: %zd leaves given for a record of %u",
+                             PyList_GET_SIZE(u->leaf), u->r->nleaves);
+                return NULL;
+            }
+            return Py_NewRef(PyList_GET_ITEM(u->leaf, i));
+        }
         return fp_record_view(u, u->next_leaf++);
     case FP_RECORD_NODE_OBJECT:
         return Py_NewRef(u->objects[u->next_object++]);
@@ -165,9 +175,10 @@ static PyObject *fp_unpack_node(fp_unpack_t *u)
 
 /* Block.unpack(record, objects, ordinary=None, leaf=None) -> the batch: its
  * structure with every leaf's host view over this block (leaf(view) where
- * `leaf` is given), the objects named by the record in their places and the
- * leaves not in the block as ordinary(x) (as they are without it). Returns a
- * new reference; ValueError for a record that does not describe this block. */
+ * `leaf` is a callable; where it is a list, its i-th item for leaf i, no view
+ * made), the objects named by the record in their places and the leaves not
+ * in the block as ordinary(x) (as they are without it). Returns a new
+ * reference; ValueError for a record that does not describe this block. */
 PyObject *Block_unpack(BlockObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     fp_state *st = fp_state_of_type(Py_TYPE(self));
@@ -195,7 +206,12 @@ PyObject *Block_unpack(BlockObject *self, PyObject *const *args, Py_ssize_t narg
     fp_unpack_t u = {.st = st, .block = (PyObject *)self, .r = &r,
                      .objects = &PyTuple_GET_ITEM(objects, 0), .ordinary = ordinary,
                      .leaf = leaf};
-    if (r.nleaves && !st->torch_api) {
+    if (leaf && PyList_Check(leaf) && PyList_GET_SIZE(leaf) != (Py_ssize_t)r.nleaves) {
+        PyErr_Format(PyExc_ValueError, "unpack: %zd leaves given for a record of %u",
+                     PyList_GET_SIZE(leaf), r.nleaves);
+        return NULL;
+    }
+    if (r.nleaves && !st->torch_api && !(leaf && PyList_Check(leaf))) {
         /* No exchange API (or use_torch not called): torch.from_dlpack. */
         PyObject *torch = PyImport_ImportModule("torch");
         u.from_dlpack = torch ? PyObject_GetAttrString(torch, "from_dlpack") : NULL;

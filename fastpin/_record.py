@@ -15,6 +15,7 @@ instead, its leaves still made in one call (as one list).
 from __future__ import annotations
 
 import struct
+import sys
 from typing import Any, Optional
 
 from . import _C, _leaves
@@ -172,11 +173,71 @@ def encode(spec, leaves: list, plan: "_leaves.Plan") -> tuple:
 def decode(block: _C.Block, record: bytes, objects: tuple, tree: Optional[Any],
            ordinary=None, leaf=None) -> Any:
     """The batch a worker shipped as (record, objects, tree), over `block`:
-    one C call makes every view (leaf(view) where given) and the containers;
-    leaves not in the block come back as ordinary(x), or as they are."""
+    one C call makes every view (leaf(view) where leaf is a callable; a list:
+    its items are the leaves) and the containers; leaves not in the block
+    come back as ordinary(x), or as they are."""
     out = block.unpack(record, objects, ordinary, leaf)
     if tree is None:
         return out
     from ._walk import map_leaves
 
     return map_leaves(tree, lambda x: type(x) is Slot, lambda s: out[s.index])
+
+
+# ---- device mode: where each leaf lies, read once per record ----------------------
+
+_torch_of_code: dict = {}   # (code, bits, lanes) -> torch dtype
+_torch_of_num: dict = {}    # NumPy type number -> torch dtype, or None
+_device_specs: dict = {}    # record -> its leaves' specs (same-shaped batches share one)
+_SPECS_KEPT = 64
+
+
+def _tables() -> None:
+    import numpy as np
+
+    from ._dtypes import _TORCH
+    from ._leaves import torch_dtype_of
+
+    torch = sys.modules["torch"]
+    for name, code in _TORCH.items():
+        if hasattr(torch, name):
+            _torch_of_code[code] = getattr(torch, name)
+    for c in np.typecodes["All"]:
+        dt = np.dtype(c)
+        if dt.kind in "biufc":
+            _torch_of_num[dt.num] = torch_dtype_of(dt)
+
+
+def device_specs(record: bytes) -> list:
+    """Each leaf of `record` as a device view of the block's bytes needs it:
+    (offset, nbytes, torch dtype or None, index of the dtype object or None,
+    whether that object is a NumPy dtype, shape, strides or None where
+    contiguous, requires grad). Read in Python (the Loader's device mode
+    slices one device buffer, no host view made) and kept by record: batches
+    of one structure send the same bytes."""
+    specs = _device_specs.get(record)
+    if specs is not None:
+        return specs
+    if not _torch_of_code:
+        _tables()
+    _, _, _, nleaves, ndims, _, _, _ = HEADER.unpack_from(record)
+    dims = struct.unpack_from(f"<{ndims}q", record, HEADER.size + nleaves * ENTRY.size)
+    specs = []
+    for i in range(nleaves):
+        (offset, nbytes, _, at, obj, type_, kind, ndim, code, bits,
+         flags) = ENTRY.unpack_from(record, HEADER.size + i * ENTRY.size)
+        shape, strides = dims[at:at + ndim], dims[at + ndim:at + 2 * ndim]
+        if obj != NONE:
+            dtype = None
+        elif kind == TENSOR:
+            dtype = _torch_of_code.get((code, bits, type_))
+        else:
+            dtype = _torch_of_num.get(type_)
+        if strides == _leaves.contiguous_strides(shape):
+            strides = None
+        specs.append((offset, nbytes, dtype, None if obj == NONE else obj, kind == ARRAY,
+                      shape, strides, bool(flags & REQUIRES_GRAD)))
+    if len(_device_specs) >= _SPECS_KEPT:
+        _device_specs.clear()
+    _device_specs[record] = specs
+    return specs

@@ -370,37 +370,20 @@ def receive(batch: Any, consumer_stream: Any = None) -> tuple:
     return batch.views(), True
 
 
-class _NoTorchDtype(Exception):
-    """A leaf of a NumPy dtype torch has none for (device_views)."""
-
-
 def device_views(batch: "Adopted", buffer: torch.Tensor) -> Optional[Any]:
     """The batch with each leaf a view of `buffer`, a device tensor of the
-    block's bytes that one copy fills (made from its host view: the same
-    offset, shape and strides); None when a leaf has a NumPy dtype torch does
-    not know (the caller then takes the ordinary path, which says so)."""
-    base = batch.block.ptr
-
-    def leaf(host):
-        if isinstance(host, np.ndarray):
-            dtype = _leaves.torch_dtype_of(host.dtype)
-            if dtype is None:
-                raise _NoTorchDtype
-            offset, itemsize = host.ctypes.data - base, host.itemsize
-            shape, strides = host.shape, tuple(s // itemsize for s in host.strides)
-            grad = False
-        else:
-            dtype, offset = host.dtype, host.data_ptr() - base
-            shape, strides, grad = host.shape, host.stride(), host.requires_grad
-        nbytes = host.nbytes
+    block's bytes that one copy fills (at the leaf's offset, with its shape and
+    strides: _record.device_specs); None when a leaf has a NumPy dtype torch
+    does not know (the caller then takes the ordinary path, which says so)."""
+    objects = batch.objects
+    views = []
+    for (offset, nbytes, dtype, obj, numpy, shape, strides,
+         grad) in _record.device_specs(batch.record):
+        if obj is not None:  # a NumPy dtype object, or a torch dtype to view as
+            dtype = _leaves.torch_dtype_of(objects[obj]) if numpy else objects[obj]
+        if dtype is None:
+            return None
         region = buffer[offset:offset + nbytes].view(dtype)
-        if tuple(strides) == _leaves.contiguous_strides(shape):
-            view = region.view(shape)
-        else:
-            view = region.as_strided(shape, strides)
-        return view.requires_grad_() if grad else view
-
-    try:
-        return batch.views(leaf=leaf)
-    except _NoTorchDtype:
-        return None
+        view = region.view(shape) if strides is None else region.as_strided(shape, strides)
+        views.append(view.requires_grad_() if grad else view)
+    return batch.views(leaf=views)

@@ -395,6 +395,12 @@ def test_objects_that_do_not_match_are_refused(shared):
             block.unpack(record, wrong)
     with pytest.raises(TypeError):
         block.unpack(bytearray(record), objects)
+    # Leaves given (device mode): one for each the record describes.
+    n = len(_leaves(adopted.views()))
+    assert _leaves(block.unpack(record, objects, None, list(range(n)))) == []
+    for wrong in ([], list(range(n + 1))):
+        with pytest.raises(ValueError, match="leaves given"):
+            block.unpack(record, objects, None, wrong)
 
 
 def test_a_record_for_a_bigger_block_is_refused(shared):
