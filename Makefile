@@ -81,7 +81,7 @@ notebook: install
 # in a subprocess whose stderr a test reads fails that test by its exit status.
 ASAN_PY_DIR := build/asan-py
 ASAN_PY_TESTS := test_pin_batch test_pin_memory test_properties test_dlpack test_arena \
-	test_zero_copy test_shared_arena test_loader test_loader_stats test_install \
+	test_zero_copy test_record test_shared_arena test_loader test_loader_stats test_install \
 	test_reliability test_settings
 # gcc 12's ASan takes no allocator lock around fork (LLVM added one in #75290):
 # a worker forked while another thread allocates can hang in its first malloc.

@@ -11,8 +11,9 @@ import sysconfig
 import numpy
 from setuptools import Extension, setup
 
-SOURCES = ["arena.c", "arena_type.c", "batch.c", "block_type.c", "copier.c", "cuda.c", "dlpack.c",
-           "error.c", "lease.c", "module.c", "prim.c", "repair.c", "stage.c", "tlsf.c"]
+SOURCES = ["arena.c", "arena_type.c", "batch.c", "block_record.c", "block_type.c", "copier.c",
+           "cuda.c", "dlpack.c", "error.c", "lease.c", "module.c", "prim.c", "record.c",
+           "repair.c", "stage.c", "tlsf.c"]
 
 cflags = ["-std=gnu11", "-Wall", "-Wextra", "-fvisibility=hidden"]
 ldflags = []

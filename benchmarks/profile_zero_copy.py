@@ -116,12 +116,12 @@ def _install_timers():
             if slot is not None:
                 WORKER[slot + 2] += time.perf_counter() - t0
 
-    def pack(tree, arena):
+    def pack(tree, arena, *args):
         slot = _worker_slot()
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         try:
-            return plain_pack(tree, arena)
+            return plain_pack(tree, arena, *args)
         finally:
             if slot is not None:
                 WORKER[slot + 3] += time.perf_counter() - t0

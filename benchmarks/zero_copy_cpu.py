@@ -3,14 +3,16 @@ fastpin's own share under 0.1 ms, the whole process under 0.35 ms, whatever the
 batch's bytes and shape). Runs with or without a GPU:
 
     PYTHONPATH=$PWD python benchmarks/zero_copy_cpu.py [--workers 2] [--batches 200]
-        [--epochs 3] [--case images clips tokens] [--device host cuda] [--pin-memory]
+        [--epochs 3] [--case images clips tokens recsys] [--device host cuda] [--pin-memory]
         [--delay S] [--json OUT]
 
 Cases (in-memory datasets, every sample its own pattern, a DataLoader with
 default settings but num_workers): uint8 images 3x224x224 with an int label,
 batch 256 (2 leaves); float16 clips 3x16x112x112 with a label, batch 32 (38.5
 MB, 2 leaves); int32 token windows of 4096 with a bool mask and a length,
-batch 16 (0.33 MB, 3 leaves). Each epoch is one `for b in
+batch 16 (0.33 MB, 3 leaves); a recommendation batch of 4096 rows, a dict of
+50 tensors (40 int64 ids, 9 float32 x16 features, a label: 3.5 MB), made
+whole by the dataset (batch_size=None). Each epoch is one `for b in
 fastpin.Loader(dl, device=None|"cuda", zero_copy=True)`; its first --warmup
 batches (and with them the self-sizing arena's growth) are not timed, nor are
 the last few (the Loader's thread is still alive when the second reading is
@@ -108,11 +110,37 @@ class _Windows(Dataset):
         return {"tokens": self.tokens[j], "mask": self.mask[j], "length": 4096 - j}
 
 
+class _Features(Dataset):
+    """A recommendation batch read a batch at a time (the sampler yields index
+    lists, batch_size=None): 40 int64 categorical ids, 9 dense float32 features
+    of 16, a float label: a dict of 50 tensors (fastpin.bench's recsys case)."""
+
+    SPARSE, DENSE = 40, 9
+
+    def __init__(self, distinct: int, length: int, rows: int = 4096):
+        self.sparse = _pattern((self.SPARSE, distinct), torch.int64, 4)
+        self.dense = _pattern((self.DENSE, distinct, 16), torch.float32, 5)
+        self.label = _pattern((distinct,), torch.float32, 6)
+        self.rows, self.length = rows, length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        _wait()
+        idx = (torch.arange(self.rows) * 7 + i) % self.label.numel()
+        out = {f"cat_{k}": self.sparse[k, idx] for k in range(self.SPARSE)}
+        out.update({f"dense_{k}": self.dense[k, idx] for k in range(self.DENSE)})
+        out["label"] = self.label[idx]
+        return out
+
+
 CASES = {
-    # name: (batch size, dataset of `length` samples)
+    # name: (batch size, dataset of `length` samples; None: of `length` batches)
     "images": (256, lambda n: _Pairs((3, 224, 224), torch.uint8, 384, n)),
     "clips": (32, lambda n: _Pairs((3, 16, 112, 112), torch.float16, 64, n)),
     "tokens": (16, lambda n: _Windows(256, n)),
+    "recsys": (None, lambda n: _Features(1 << 14, n)),
 }
 
 
@@ -207,7 +235,8 @@ def epoch(case: str, device, workers: int, batches: int, warmup: int,
           pin_memory: bool = False) -> dict:
     batch_size, make = CASES[case]
     tail = 2 + 2 * workers   # batches left after the second reading
-    dl = DataLoader(make(batch_size * (warmup + batches + tail)), batch_size=batch_size,
+    n = warmup + batches + tail
+    dl = DataLoader(make(n if batch_size is None else batch_size * n), batch_size=batch_size,
                     num_workers=workers, pin_memory=pin_memory)
     start = procfs.threads()
     loader = fastpin.Loader(dl, device=device, zero_copy=True)

@@ -594,7 +594,8 @@ PyObject *fp_use_torch(PyObject *module, PyObject *args)
     static const char *const names[FP_NAMES] = {
         [FP_NAME_REQUIRES_GRAD] = "requires_grad", [FP_NAME_IS_NEG] = "is_neg",
         [FP_NAME_IS_CONJ] = "is_conj", [FP_NAME_IS_PINNED] = "is_pinned",
-        [FP_NAME_DTYPE] = "dtype", [FP_NAME_VIEW] = "view"};
+        [FP_NAME_DTYPE] = "dtype", [FP_NAME_VIEW] = "view",
+        [FP_NAME_REQUIRES_GRAD_] = "requires_grad_"};
     for (int i = 0; i < FP_NAMES; i++)
         if (!st->names[i] && !(st->names[i] = PyUnicode_InternFromString(names[i])))
             return NULL;

@@ -317,6 +317,10 @@ static PyMethodDef Block_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))Block___dlpack__,
      METH_VARARGS | METH_KEYWORDS, "The whole block as a 1-D uint8 DLPack capsule."},
     {"__dlpack_device__", (PyCFunction)Block___dlpack_device__, METH_NOARGS, NULL},
+    {"unpack", (PyCFunction)(void (*)(void))Block_unpack, METH_FASTCALL,
+     "unpack(record, objects, ordinary=None, leaf=None)\nA zero-copy batch from its layout "
+     "record: its structure, each leaf a view\nof this block (leaf(view) where given), the "
+     "leaves not in it ordinary(x)."},
     {"detach", (PyCFunction)Block_detach, METH_NOARGS,
      "detach()\nGive the block up for adoption (Arena.adopt(index, nbytes)), in the process\n"
      "that allocated it: dropping this Block then leaves the block allocated."},

@@ -32,6 +32,9 @@
  *                blocks (stage.c)
  *   fp_pid       this process, for every object that must tell whether it is
  *                still in the process that made it (prim.c)
+ *   fp_record_t  a zero-copy batch's layout record, checked against its block
+ *                before anything is made from it (record.c): what a worker
+ *                sends beside the block, read by block_record.c in one call
  *
  * NUMA: an arena may be created with a node, whose memory it prefers
  * (mbind before any page is touched), and the pool's threads may be pinned
@@ -39,7 +42,7 @@
  * device) is found in Python (fastpin/_numa.py); the core only applies it.
  *
  * Everything here is plain C: only the bindings (module.c, arena_type.c,
- * block_type.c, batch.c) and dlpack.c include Python.h.
+ * block_type.c, batch.c, block_record.c) and dlpack.c include Python.h.
  * Functions return an int status (FP_OK on success) and leave a message in
  * a thread-local buffer (fp_error_message()); module.c turns it into an
  * exception.
@@ -573,6 +576,88 @@ void fp_copier_test_counts(fp_copier_t *copier, uint64_t *spun, uint64_t *spin_r
 #endif
 /* The number of CPUs this process may run on (sched_getaffinity). */
 int fp_cpu_count(void);
+
+/* ---- a zero-copy batch's layout record (record.c) ---------------------
+ *
+ * What a DataLoader worker sends beside the block it collated into: where
+ * every leaf lies in the block and what it is, and the batch's containers,
+ * as one compact binary record, which the main process reads in one C call
+ * (block_record.c) instead of unpickling an object per leaf. Little-endian,
+ * read with memcpy (no alignment assumed), exactly this long:
+ *
+ *   header   32 bytes: magic "FPR1", version, entry size, leaf count, dims
+ *            count, node bytes, object count, 8 reserved zero bytes
+ *   leaves   FP_RECORD_ENTRY bytes each: offset and bytes in the block,
+ *            element size, index of its shape and strides in the dims, the
+ *            object (a NumPy dtype; a torch dtype to view a tensor as) or
+ *            FP_RECORD_NONE, kind, ndim, DLPack code / bits / lanes
+ *            (tensors) or NumPy type number (arrays), flags
+ *   dims     int64 each: every leaf's shape then its strides (elements)
+ *   nodes    the structure in preorder: a kind byte (FP_RECORD_NODE_*),
+ *            containers followed by a uint32 count; a dict's keys (all
+ *            at its node) and the values kept as they are come from the
+ *            object list, in order
+ *
+ * The objects (keys, plain values, leaves that are not in the block, dtype
+ * objects) travel beside the record as one Python tuple. fp_record_parse
+ * checks everything before anything is built: a record cut short or with
+ * any byte changed is refused, or describes only views inside the block. */
+
+#define FP_RECORD_MAGIC 0x31525046u /* "FPR1" */
+#define FP_RECORD_VERSION 1
+#define FP_RECORD_HEADER 32u
+#define FP_RECORD_ENTRY 40u
+#define FP_RECORD_MAX_NDIM 64       /* as DLPack exports (FP_DLPACK_MAX_NDIM) */
+#define FP_RECORD_DEPTH 512         /* containers nested deeper are refused */
+#define FP_RECORD_NONE UINT32_MAX   /* no object */
+
+enum { FP_RECORD_TENSOR = 1, FP_RECORD_ARRAY = 2 };             /* a leaf's kind */
+enum { FP_RECORD_REQUIRES_GRAD = 1 };                           /* a leaf's flags */
+enum {
+    FP_RECORD_NODE_LEAF,     /* the next leaf of the record */
+    FP_RECORD_NODE_OBJECT,   /* the next object, as it is */
+    FP_RECORD_NODE_ORDINARY, /* the next object: a leaf not in the block */
+    FP_RECORD_NODE_LIST,     /* + count: that many nodes */
+    FP_RECORD_NODE_TUPLE,    /* + count */
+    FP_RECORD_NODE_DICT,     /* + count: that many key objects, then value nodes */
+    FP_RECORD_NODE_KINDS
+};
+
+typedef struct fp_record_s {
+    const uint8_t *entries; /* the leaf entries, in the caller's buffer */
+    const uint8_t *dims;    /* the shapes and strides */
+    const uint8_t *nodes;   /* the structure */
+    uint32_t nleaves;       /* leaf entries (and LEAF nodes) */
+    uint32_t ndims;         /* int64s in dims */
+    uint32_t nnodes;        /* bytes of nodes */
+    uint32_t nobjects;      /* objects the record refers to */
+    uint32_t node_objects;  /* of them, taken in order by the nodes (the rest
+                               are dtype objects) */
+} fp_record_t;
+
+typedef struct fp_record_leaf_s {
+    uint64_t offset;   /* first byte in the block */
+    uint64_t nbytes;   /* numel x itemsize */
+    uint32_t itemsize; /* bytes an element */
+    uint32_t object;   /* dtype object index, or FP_RECORD_NONE */
+    uint16_t type;     /* tensors: DLPack lanes; arrays: NumPy type number */
+    uint8_t kind;      /* FP_RECORD_TENSOR or FP_RECORD_ARRAY */
+    uint8_t ndim;
+    uint8_t code;      /* tensors: DLPack type code */
+    uint8_t bits;      /* tensors: DLPack bits */
+    uint8_t flags;     /* FP_RECORD_REQUIRES_GRAD */
+    int64_t shape[FP_RECORD_MAX_NDIM];
+    int64_t strides[FP_RECORD_MAX_NDIM]; /* elements */
+} fp_record_leaf_t;
+
+/* Checks the `len` bytes at `buf` as a record for a block of `block_size`
+ * bytes and fills *r; FP_EINVAL saying what is wrong (*r then unusable). */
+int fp_record_parse(const void *buf, size_t len, uint64_t block_size, fp_record_t *r);
+/* Leaf i (< r->nleaves) of a parsed record. */
+void fp_record_leaf(const fp_record_t *r, uint32_t i, fp_record_leaf_t *out);
+/* The node at *at in a parsed record: its kind, its count in *count (0 for
+ * a non-container); *at moves past it. */
+int fp_record_node(const fp_record_t *r, size_t *at, uint32_t *count);
 
 /* ---- host-to-device staging (stage.c) --------------------------------- */
 

@@ -1,6 +1,6 @@
 /* What the binding files of fastpin._C share (module.c, arena_type.c,
- * block_type.c, batch.c): the module state, the two object types and the
- * helpers that raise, read an argument, find the copy pool and wrap a lease. Not part of the core's interface (fastpin.h). Include it
+ * block_type.c, batch.c, block_record.c): the module state, the two object
+ * types and the helpers that raise, read an argument, find the copy pool and wrap a lease. Not part of the core's interface (fastpin.h). Include it
  * after numpy/arrayobject.h (with the file's own NO_IMPORT_ARRAY choice):
  * fp_block_array takes a PyArray_Descr. */
 #ifndef FASTPIN_MODULE_H
@@ -20,6 +20,7 @@ enum {
     FP_FLAGS, /* the names before this are flags, read through the type's descriptors */
     FP_NAME_DTYPE = FP_FLAGS,
     FP_NAME_VIEW,
+    FP_NAME_REQUIRES_GRAD_, /* the method (block_record.c) */
     FP_NAMES
 };
 
@@ -98,5 +99,8 @@ PyObject *fp_use_torch(PyObject *module, PyObject *args);
 PyObject *Arena_pin_batch(ArenaObject *self, PyObject *args);
 PyObject *Arena_pin_tree(ArenaObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *fp_pin_counts(PyObject *module, PyObject *ignored);
+
+/* block_record.c */
+PyObject *Block_unpack(BlockObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif /* FASTPIN_MODULE_H */

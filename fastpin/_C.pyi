@@ -2,7 +2,7 @@
 # block_type.c, batch.c). Keep in step with the bindings: tests/test_ecosystem.py
 # checks that every public name of the built module is declared here, and
 # type-checks a usage snippet with mypy.
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypedDict, final
 
 import numpy as np
@@ -79,6 +79,18 @@ class Block:
         self, offset: int, shape: Sequence[int], strides: Sequence[int], dtype: DTypeLike, /
     ) -> np.ndarray[Any, np.dtype[Any]]:
         """An ndarray over part of the block (strides in bytes)."""
+    def unpack(
+        self,
+        record: bytes,
+        objects: tuple[Any, ...],
+        ordinary: Callable[[Any], Any] | None = None,
+        leaf: Callable[[Any], Any] | None = None,
+        /,
+    ) -> Any:
+        """A zero-copy batch from its layout record (fastpin/_record.py), in one
+        call: its structure, each leaf a view of this block (leaf(view) where
+        given), the leaves not in it ordinary(x) (as they are without it).
+        ValueError for a record cut short, changed, or not of this block."""
     def detach(self) -> None:
         """Give the block up for another process to adopt: dropping this Block
         no longer frees it."""

@@ -114,7 +114,11 @@ def _torch_dtype(layout: Layout):
     """The torch dtype a leaf becomes on the device; None: torch has none for it."""
     if not layout.numpy:
         return layout.dtype
-    dtype = layout.dtype
+    return torch_dtype_of(layout.dtype)
+
+
+def torch_dtype_of(dtype):
+    """The torch dtype of NumPy dtype `dtype` on the device; None: torch has none."""
     if dtype not in _numpy_to_torch:
         import torch
 

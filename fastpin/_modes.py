@@ -125,9 +125,10 @@ class PassThrough:
         what the queue gets, or None to take its leaves (from_adopted)."""
         return None
 
-    def from_adopted(self, batch):
-        """A zero-copy batch whose leaves lie in the adopted block."""
-        self.stats.count(batch_nbytes(batch))
+    def from_adopted(self, batch, nbytes: int):
+        """A zero-copy batch whose leaves lie in the adopted block, of `nbytes`
+        tensor and array bytes (as its worker counted them)."""
+        self.stats.count(nbytes)
         return batch
 
     def deliver(self, item):
@@ -272,7 +273,7 @@ class CopyToDevice(PassThrough):
         out = map_leaves(batch, lambda x: isinstance(x, (torch.Tensor, np.ndarray)), leaf)
         return out, self.issue(copies, keep), made
 
-    def from_adopted(self, batch):
+    def from_adopted(self, batch, nbytes: int):
         return self.prepare(batch)
 
     def from_block(self, batch):
@@ -352,9 +353,10 @@ class Adopt:
             out = inner.from_block(batch)
             if out is not None:
                 return out
+        nbytes = batch.nbytes if isinstance(batch, _zerocopy.Adopted) else 0
         batch, adopted = _zerocopy.receive(batch, self.consumer)
         if adopted:
-            return inner.from_adopted(batch)
+            return inner.from_adopted(batch, nbytes)
         if self.stats.fallback():
             self.warn_full(batch)
         return inner.prepare(batch)

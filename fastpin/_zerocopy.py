@@ -48,6 +48,8 @@ from torch.utils.data._utils.collate import (
 
 from . import _C
 from . import _leaves
+from . import _pin
+from . import _record
 from ._segments import (  # noqa: F401 - the names the Loader, the bench and tests use here
     Pool,
     _arenas,
@@ -64,7 +66,7 @@ from ._segments import (  # noqa: F401 - the names the Loader, the bench and tes
 )
 from ._leaves import Plan, Stack, stackable
 from ._runtime import process
-from ._walk import flatten, map_leaves, unflatten
+from ._walk import flatten, map_leaves
 
 # Worker processes: the arenas attached there, by token (_runtime empties it at fork).
 _attached = process.attached
@@ -94,20 +96,6 @@ def _stack_now(tree):
     """The ordinary path for a tree of placeholders (the arena was full)."""
     return map_leaves(tree, lambda x: isinstance(x, _Stack),
                       lambda s: collate_tensor_fn(s.samples))
-
-
-class _Ref:
-    """Where a leaf lies in the block: its offset, its Layout (shape, strides,
-    dtype: a torch dtype, or a NumPy dtype object, so structured dtypes keep
-    their fields) and whether the tensor requires grad."""
-
-    __slots__ = ("offset", "layout", "requires_grad")
-
-    def __init__(self, offset, layout, requires_grad=False):
-        self.offset, self.layout, self.requires_grad = offset, layout, requires_grad
-
-    def __reduce__(self):
-        return (_Ref, (self.offset, self.layout, self.requires_grad))
 
 
 def _placeable(x) -> bool:
@@ -140,24 +128,26 @@ def _plan(tree, is_leaf=_placeable):
 
 def _pack(tree, arena: _C.Arena, is_leaf=_placeable):
     """Copy every tensor/array leaf of `tree` (placeholders stacked in place) into
-    one new block; returns (block, tree of _Ref). Raises ArenaFullError."""
+    one new block; returns (block, its layout record, the record's objects, the
+    Slot tree or None, the batch's bytes: see _record.encode). Raises
+    ArenaFullError."""
     spec, leaves, plan = _plan(tree, is_leaf)
     block, _ = arena.pin(plan.sources, 1)
     plan.fill(block)
-    refs = [x if layout is None else _Ref(offset, layout, getattr(x, "requires_grad", False))
-            for x, layout, offset in zip(leaves, plan.layouts, plan.offsets)]
-    return block, unflatten(spec, refs)
+    return (block, *_record.encode(spec, leaves, plan))
 
 
 class _Shipped:
-    """What crosses the result queue: the block and where each leaf lies in it."""
+    """What crosses the result queue: the block, and the batch's layout record
+    with the objects it names (_record)."""
 
-    __slots__ = ("token", "index", "nbytes", "tree", "block", "ship")
+    __slots__ = ("token", "index", "nbytes", "layout", "block", "ship")
 
-    def __init__(self, token, index, nbytes, tree, block=None, ship=None):
-        self.token, self.index, self.nbytes, self.tree = token, index, nbytes, tree
-        self.block = block  # the worker's hold, given up once pickled
-        self.ship = ship    # None: for a Loader; install(): (pool id, pin thread)
+    def __init__(self, token, index, nbytes, layout, block=None, ship=None):
+        self.token, self.index, self.nbytes = token, index, nbytes
+        self.layout = layout  # (record, objects, tree, data bytes): _record.encode
+        self.block = block    # the worker's hold, given up once pickled
+        self.ship = ship      # None: for a Loader; install(): (pool id, pin thread)
 
     def __reduce__(self):
         if self.block is not None:
@@ -166,8 +156,9 @@ class _Shipped:
             self.block.detach()
             self.block = None
         if self.ship is not None:
-            return (_adopt_installed, (self.token, self.index, self.nbytes, self.tree, *self.ship))
-        return (_adopt, (self.token, self.index, self.nbytes, self.tree))
+            return (_adopt_installed, (self.token, self.index, self.nbytes, *self.layout,
+                                       *self.ship))
+        return (_adopt, (self.token, self.index, self.nbytes, *self.layout))
 
     def pin_memory(self):
         return self  # DataLoader's pin thread: already pinned
@@ -176,10 +167,18 @@ class _Shipped:
 class Adopted:
     """A shipped batch in the main process, its block adopted."""
 
-    __slots__ = ("block", "tree")
+    __slots__ = ("block", "record", "objects", "tree", "nbytes")
 
-    def __init__(self, block, tree):
-        self.block, self.tree = block, tree
+    def __init__(self, block, record, objects, tree, nbytes):
+        self.block, self.record, self.objects, self.tree = block, record, objects, tree
+        self.nbytes = nbytes  # the batch's tensor and array bytes
+
+    def views(self, ordinary=None, leaf=None):
+        """The batch, its leaves views of the block (leaf(view) where given),
+        those not in the block ordinary(x), or as they are: one C call."""
+        if not _pin._torch_seen:
+            _pin._use_torch()
+        return _record.decode(self.block, self.record, self.objects, self.tree, ordinary, leaf)
 
     def pin_memory(self):
         return self
@@ -197,30 +196,28 @@ class PinnedInWorkers(Adopted):
     def pin_memory(self, device=None):
         from torch.utils.data._utils import pin_memory as torch_pin
 
-        block, pin = self.block, torch_pin.pin_memory
-        return map_leaves(self.tree, lambda x: type(x) is _Ref or _leaves.is_leaf(x),
-                          lambda x: _leaf_out(block, x) if type(x) is _Ref else pin(x))
+        return self.views(torch_pin.pin_memory)
 
 
-def _adopt(token, index, nbytes, tree):
+def _adopt(token, index, nbytes, record, objects, tree, data_bytes):
     arena = _registry().get(token)
     if arena is None:
         raise RuntimeError(
             "fastpin: a batch arrived from a zero-copy worker, but its arena is not known in "
             "this process (unpickled outside the Loader that made it?)")
-    return Adopted(arena.adopt(index, nbytes), tree)
+    return Adopted(arena.adopt(index, nbytes), record, objects, tree, data_bytes)
 
 
-def _adopt_installed(token, index, nbytes, tree, pool, pin_thread):
+def _adopt_installed(token, index, nbytes, record, objects, tree, data_bytes, pool, pin_thread):
     """A batch of an iterator fastpin.install() set up, as it is unpickled in the
     main process (the pin thread, or the iterator itself where none runs): for
     the pin thread to make into views (PinnedInWorkers), or its views now."""
     own = _pools.get(pool)
     if own is not None:
         own.collect()  # only this process can see the GPU finish with blocks
-    batch = _adopt(token, index, nbytes, tree)
+    batch = _adopt(token, index, nbytes, record, objects, tree, data_bytes)
     if pin_thread:
-        return PinnedInWorkers(batch.block, tree)
+        return PinnedInWorkers(batch.block, record, objects, tree, data_bytes)
     return receive(batch)[0]
 
 
@@ -294,10 +291,10 @@ class _WorkerCollate:
         while True:
             for arena in arenas:
                 try:
-                    block, shipped = _pack(tree, arena, self.is_leaf)
+                    block, *layout = _pack(tree, arena, self.is_leaf)
                 except _C.ArenaFullError:
                     continue
-                return _Shipped(arena.token, block.index, block.nbytes, shipped, block, self.ship)
+                return _Shipped(arena.token, block.index, block.nbytes, layout, block, self.ship)
             if directory is None:
                 break
             need = _C.block_size(max(_plan(tree, self.is_leaf)[2].nbytes, 1))
@@ -352,18 +349,13 @@ def dataloader_view(loader, collate_fn: Callable):
 
 # ---- the main process side ----------------------------------------------------
 
-def _leaf_out(block, ref: _Ref):
-    out = ref.layout.host(block, ref.offset)
-    return out.requires_grad_() if ref.requires_grad else out
-
-
 def adopted(batch: Any) -> Any:
     """The batch as the main process holds it: an Adopted for a batch a worker
     placed in the arena (also one collated here, num_workers=0), else as it came."""
     if isinstance(batch, _Shipped):  # collated in this process (num_workers=0)
         if batch.block is not None:
             batch.block.detach()  # handed over to the adopting Block below
-        batch = _adopt(batch.token, batch.index, batch.nbytes, batch.tree)
+        batch = _adopt(batch.token, batch.index, batch.nbytes, *batch.layout)
     return batch
 
 
@@ -373,19 +365,25 @@ def receive(batch: Any, consumer_stream: Any = None) -> tuple:
     worker fell back)."""
     if not isinstance(batch, Adopted):
         return batch, False
-    block = batch.block
     if consumer_stream is not None:
-        block.consumer_stream = consumer_stream
-    return map_leaves(batch.tree, lambda x: isinstance(x, _Ref), lambda r: _leaf_out(block, r)), True
+        batch.block.consumer_stream = consumer_stream
+    return batch.views(), True
 
 
 def device_views(batch: "Adopted", buffer: torch.Tensor) -> Optional[Any]:
-    """The batch's tree with each leaf a view of `buffer`, a device tensor of the
-    block's bytes that one copy fills; None when a leaf has a NumPy dtype torch
+    """The batch with each leaf a view of `buffer`, a device tensor of the
+    block's bytes that one copy fills (at the leaf's offset, with its shape and
+    strides: _record.device_specs); None when a leaf has a NumPy dtype torch
     does not know (the caller then takes the ordinary path, which says so)."""
-    spec, refs = flatten(batch.tree, lambda x: isinstance(x, _Ref))
-    views = _leaves.device_views([(r.offset, r.layout) for r in refs], buffer)
-    if views is None:
-        return None
-    return unflatten(spec, [v.requires_grad_() if r.requires_grad else v
-                            for v, r in zip(views, refs)])
+    objects = batch.objects
+    views = []
+    for (offset, nbytes, dtype, obj, numpy, shape, strides,
+         grad) in _record.device_specs(batch.record):
+        if obj is not None:  # a NumPy dtype object, or a torch dtype to view as
+            dtype = _leaves.torch_dtype_of(objects[obj]) if numpy else objects[obj]
+        if dtype is None:
+            return None
+        region = buffer[offset:offset + nbytes].view(dtype)
+        view = region.view(shape) if strides is None else region.as_strided(shape, strides)
+        views.append(view.requires_grad_() if grad else view)
+    return batch.views(leaf=views)

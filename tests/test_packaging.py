@@ -121,7 +121,8 @@ def test_sdist_holds_the_sources_and_no_half_test_suite(dists):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     for c in ("arena.c", "copier.c", "cuda.c", "dlpack.c", "error.c", "lease.c", "module.c",
               "prim.c", "repair.c", "stage.c", "tlsf.c", "fastpin.h", "arena_internal.h",
-              "dlpack.h", "streaming.h", "batch.c", "module.h", "arena_type.c", "block_type.c"):
+              "dlpack.h", "streaming.h", "batch.c", "module.h", "arena_type.c", "block_type.c",
+              "record.c", "block_record.c"):
         assert f"csrc/{c}" in names, c
     for f in ("fastpin/__init__.py", "fastpin/bench/__init__.py", "fastpin/bench/__main__.py",
               "fastpin/_C.pyi", "fastpin/py.typed", "LICENSE", "README.md", "pyproject.toml",
