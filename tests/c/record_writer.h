@@ -22,20 +22,20 @@ typedef struct {
     size_t len;
 } rw_t;
 
-static void rw_put(uint8_t *p, uint64_t v, int bytes)
+static inline void rw_put(uint8_t *p, uint64_t v, int bytes)
 {
     for (int i = 0; i < bytes; i++)
         p[i] = (uint8_t)(v >> (8 * i));
 }
 
-static void rw_begin(rw_t *w)
+static inline void rw_begin(rw_t *w)
 {
     w->nleaves = w->ndims = w->nnodes = w->nobjects = 0;
     w->len = 0;
 }
 
 /* A leaf entry (its LEAF node is written separately, with rw_node). */
-static void rw_leaf(rw_t *w, int kind, uint64_t offset, uint32_t itemsize, int ndim,
+static inline void rw_leaf(rw_t *w, int kind, uint64_t offset, uint32_t itemsize, int ndim,
                     const int64_t *shape, const int64_t *strides, uint32_t object,
                     uint16_t type, uint8_t code, uint8_t bits, uint8_t flags)
 {
@@ -62,7 +62,7 @@ static void rw_leaf(rw_t *w, int kind, uint64_t offset, uint32_t itemsize, int n
 }
 
 /* A tensor of `ndim` x shape, C-contiguous, of DLPack (code, bits) at offset. */
-static void rw_tensor(rw_t *w, uint64_t offset, int ndim, const int64_t *shape, uint8_t code,
+static inline void rw_tensor(rw_t *w, uint64_t offset, int ndim, const int64_t *shape, uint8_t code,
                       uint8_t bits)
 {
     int64_t strides[FP_RECORD_MAX_NDIM];
@@ -74,7 +74,7 @@ static void rw_tensor(rw_t *w, uint64_t offset, int ndim, const int64_t *shape, 
             FP_RECORD_NONE, 1, code, bits, 0);
 }
 
-static void rw_node(rw_t *w, int kind, uint32_t count)
+static inline void rw_node(rw_t *w, int kind, uint32_t count)
 {
     w->nodes[w->nnodes++] = (uint8_t)kind;
     if (kind >= FP_RECORD_NODE_LIST) {
@@ -84,7 +84,7 @@ static void rw_node(rw_t *w, int kind, uint32_t count)
 }
 
 /* Assembles the record into w->out (w->len bytes). */
-static void rw_finish(rw_t *w, uint32_t nobjects)
+static inline void rw_finish(rw_t *w, uint32_t nobjects)
 {
     uint8_t *p = w->out;
     w->nobjects = nobjects;
@@ -110,7 +110,7 @@ static void rw_finish(rw_t *w, uint32_t nobjects)
  * block, its bytes are numel x itemsize, indices name what was sent, and
  * the structure holds exactly its leaves and at most its objects. Returns
  * NULL, or what broke. */
-static const char *rw_promises(const fp_record_t *r, uint64_t block_size)
+static inline const char *rw_promises(const fp_record_t *r, uint64_t block_size)
 {
     static char why[256];
     for (uint32_t i = 0; i < r->nleaves; i++) {
