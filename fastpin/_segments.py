@@ -143,16 +143,21 @@ class _Directory:
             delay = min(delay * 2, 0.02)
         return False
 
-    def wait_for_frees(self, deadline: float) -> bool:
+    def wait_for_frees(self, deadline: float, attempt: int = 0) -> bool:
         """The pool is full and sized: if some of its blocks are freed but still
         read by the GPU (pending on their fences), ask the main process to look
         at the fences again, and wait until it has (only it can see them pass:
         it looks on its own only when a zero-copy batch arrives, and none may
         arrive while every worker waits). True: try the segments again; False
-        (nothing pending, the pool closed, or past `deadline`): fall back."""
+        (nothing pending, the pool closed, or past `deadline`): fall back.
+        `attempt`: how many times this batch has waited already; later looks
+        come less often (up to 50 a second), so a GPU far behind does not keep
+        the main process's thread collecting, and holding the GIL, nonstop."""
         if time.monotonic() >= deadline or not any(
                 a.stats()["blocks_pending"] for a in self.arenas):
             return False
+        if attempt:
+            time.sleep(min(0.0005 * 2 ** min(attempt, 6), 0.02))
         served = _word(self.map, _DIR_COLLECTED)
         try:
             os.eventfd_write(self.wake, 1)

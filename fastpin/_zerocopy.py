@@ -287,7 +287,7 @@ class _WorkerCollate:
         else:
             tree = self.collate_fn(samples)
         arenas, directory = self._arenas()
-        asked, deadline = False, None
+        asked, deadline, waits = False, None, 0
         while True:
             for arena in arenas:
                 try:
@@ -311,8 +311,9 @@ class _WorkerCollate:
                 # (wait for it, as the consumer would), else of batches in flight.
                 if deadline is None:
                     deadline = time.monotonic() + FREE_WAIT_S
-                if not directory.wait_for_frees(deadline):
+                if not directory.wait_for_frees(deadline, waits):
                     break
+                waits += 1
                 arenas = directory.arenas
                 continue
             asked = True
