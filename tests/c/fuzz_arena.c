@@ -28,12 +28,10 @@
  * that replays files and runs pseudo-random inputs (make fuzz-smoke), so any
  * compiler can run it. A broken promise prints what broke and aborts. */
 #define _GNU_SOURCE
-#include <dirent.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "fastpin.h"
@@ -1013,15 +1011,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 /* ---- a driver for compilers without libFuzzer --------------------------- */
 
 #ifdef FUZZ_ARENA_MAIN
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-
-static uint64_t rng(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
-}
+#include "fuzz_driver.h"
 
 enum { INPUT_MAX = 4096, MAX_SEEDS = 1024 };
 
@@ -1054,43 +1044,12 @@ static void replay_file(const char *path)
         free(buf);
 }
 
-static void replay(const char *path)
-{
-    struct stat st;
-    if (stat(path, &st) != 0) {
-        perror(path);
-        exit(2);
-    }
-    if (!S_ISDIR(st.st_mode)) {
-        replay_file(path);
-        return;
-    }
-    DIR *d = opendir(path);
-    struct dirent *de;
-    while (d && (de = readdir(d))) {
-        if (de->d_name[0] == '.')
-            continue;
-        char full[4096];
-        snprintf(full, sizeof full, "%s/%s", path, de->d_name);
-        replay_file(full);
-    }
-    if (d)
-        closedir(d);
-}
-
 /* Replays the files and folders named, then runs FUZZ_CASES inputs (default
  * 2000): random bytes, or a replayed input with a few bytes changed. The
  * seed is FUZZ_SEED (default 1). */
 int main(int argc, char **argv)
 {
-    const char *e = getenv("FUZZ_CASES");
-    unsigned long n = e ? strtoul(e, NULL, 10) : 2000;
-    e = getenv("FUZZ_SEED");
-    rng_state ^= e ? strtoull(e, NULL, 10) * 0x2545f4914f6cdd1dull : 0;
-    if (!rng_state)
-        rng_state = 1;
-    for (int i = 1; i < argc; i++)
-        replay(argv[i]);
+    unsigned long n = fuzz_start(argc, argv, replay_file);
     static uint8_t buf[INPUT_MAX];
     for (unsigned long c = 0; c < n; c++) {
         size_t len;

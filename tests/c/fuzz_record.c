@@ -14,11 +14,9 @@
  * clang -fsanitize=fuzzer (make fuzz), or with -DFUZZ_RECORD_MAIN a main()
  * that replays files and runs mutations of records written here, as
  * fastpin/_record.py writes them, and random inputs (make fuzz-smoke). */
-#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "record_writer.h"
 
@@ -64,15 +62,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 /* ---- a driver for compilers without libFuzzer --------------------------- */
 
 #ifdef FUZZ_RECORD_MAIN
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-
-static uint64_t rng(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
-}
+#include "fuzz_driver.h"
 
 enum { INPUT_MAX = 1 << 16, MAX_SEEDS = 256 };
 
@@ -167,43 +157,12 @@ static void replay_file(const char *path)
     keep(input, n);
 }
 
-static void replay(const char *path)
-{
-    struct stat st;
-    if (stat(path, &st) != 0) {
-        perror(path);
-        exit(2);
-    }
-    if (!S_ISDIR(st.st_mode)) {
-        replay_file(path);
-        return;
-    }
-    DIR *d = opendir(path);
-    struct dirent *de;
-    while (d && (de = readdir(d))) {
-        if (de->d_name[0] == '.')
-            continue;
-        char full[4096];
-        snprintf(full, sizeof full, "%s/%s", path, de->d_name);
-        replay_file(full);
-    }
-    if (d)
-        closedir(d);
-}
-
 /* Replays the files and folders named, writes 64 seed records, then runs
  * FUZZ_CASES inputs (default 2000): mostly a seed with a few bytes changed,
  * cut or lengthened, else random bytes. The seed is FUZZ_SEED (default 1). */
 int main(int argc, char **argv)
 {
-    const char *e = getenv("FUZZ_CASES");
-    unsigned long n = e ? strtoul(e, NULL, 10) : 2000;
-    e = getenv("FUZZ_SEED");
-    rng_state ^= e ? strtoull(e, NULL, 10) * 0x2545f4914f6cdd1dull : 0;
-    if (!rng_state)
-        rng_state = 1;
-    for (int i = 1; i < argc; i++)
-        replay(argv[i]);
+    unsigned long n = fuzz_start(argc, argv, replay_file);
     for (int i = 0; i < 64; i++)
         write_seed();
     static uint8_t buf[INPUT_MAX];
