@@ -72,6 +72,16 @@ def _describe(layout: _leaves.Layout) -> tuple:
     return d
 
 
+def _leaf(x, layout, nodes: bytearray, objects: list, kept: list) -> None:
+    """Leaf x's node: in the block (its layout given), or sent as it is."""
+    if layout is None:
+        nodes.append(ORDINARY)
+        objects.append(x)
+        kept.append(x)
+    else:
+        nodes.append(LEAF)
+
+
 def _nodes(spec, leaves, layouts, nodes: bytearray, objects: list, kept: list) -> bool:
     """The structure's nodes into `nodes`, its objects into `objects` (those
     in the batch's values also into `kept`); False when the record cannot
@@ -81,12 +91,7 @@ def _nodes(spec, leaves, layouts, nodes: bytearray, objects: list, kept: list) -
         if spec.kind is dict:
             objects.extend(spec.keys)
         for x, layout in zip(leaves, layouts):
-            if layout is None:
-                nodes.append(ORDINARY)
-                objects.append(x)
-                kept.append(x)
-            else:
-                nodes.append(LEAF)
+            _leaf(x, layout, nodes, objects, kept)
         return True
     it = iter(zip(leaves, layouts))
     open_ = []  # items still to come of each container open around this node
@@ -96,13 +101,7 @@ def _nodes(spec, leaves, layouts, nodes: bytearray, objects: list, kept: list) -
         if open_:
             open_[-1] -= 1
         if kind == _LEAF:
-            x, layout = next(it)
-            if layout is None:
-                nodes.append(ORDINARY)
-                objects.append(x)
-                kept.append(x)
-            else:
-                nodes.append(LEAF)
+            _leaf(*next(it), nodes, objects, kept)
         elif kind == _KEEP:
             nodes.append(ORDINARY if _leaves.is_leaf(data) else OBJECT)
             objects.append(data)
@@ -138,12 +137,7 @@ def encode(spec, leaves: list, plan: "_leaves.Plan") -> tuple:
         objects = []
         kept = [data for kind, data, _ in spec if kind == _KEEP]  # in the Slot tree
         for x, layout in zip(leaves, layouts):
-            if layout is None:
-                nodes.append(ORDINARY)
-                objects.append(x)
-                kept.append(x)
-            else:
-                nodes.append(LEAF)
+            _leaf(x, layout, nodes, objects, kept)
         tree = unflatten(spec, [Slot(i) for i in range(len(leaves))])
     entries = bytearray()
     dims: list = []
