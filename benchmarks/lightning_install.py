@@ -1,6 +1,9 @@
 """Lightning's Trainer on resnet18, fed by DataLoader(pin_memory=True): stock
-against fastpin.install(), the one-line path (issue 23's target: install() at
-least 2.3x stock on float32 images with 15 workers, never below it on uint8).
+against fastpin.install() (pinned host batches; Lightning moves them with
+`.to(device, non_blocking=True)` on the compute stream), fastpin.install(device="cuda")
+(batches already on the GPU, copied on a side stream ahead of the step),
+fastpin.Loader(dl, device="cuda") returned by train_dataloader(), and the
+upper bound: the same model fed batches already on the GPU (`resident`).
 
 Each (dtype, path) runs in a fresh interpreter, so nothing one path left behind
 (a pinned cache, installed hooks, workers) reaches the next. The model and the
@@ -19,7 +22,7 @@ import subprocess
 import sys
 import time
 
-PATHS = ("pin_memory", "install")
+PATHS = ("pin_memory", "install", "install_device", "loader", "resident")
 
 
 def child(path: str, dtype: str, workers: int, steps: int, warmup: int) -> dict:
@@ -31,6 +34,8 @@ def child(path: str, dtype: str, workers: int, steps: int, warmup: int) -> dict:
 
     if path == "install":
         fastpin.install()
+    elif path == "install_device":
+        fastpin.install(device="cuda")
     torch.backends.cudnn.benchmark = True
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (512, 3, 224, 224), dtype=torch.uint8, generator=g)
@@ -63,9 +68,12 @@ def child(path: str, dtype: str, workers: int, steps: int, warmup: int) -> dict:
             return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
         def train_dataloader(self):
-            return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True,
-                                               num_workers=workers, pin_memory=True,
-                                               drop_last=True)
+            if path == "resident":
+                return _resident(dataset, batch, warmup + steps + 2)
+            dl = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True,
+                                             num_workers=workers, pin_memory=True,
+                                             drop_last=True)
+            return fastpin.Loader(dl, device="cuda") if path == "loader" else dl
 
     model = Model()
     trainer = L.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed",
@@ -74,7 +82,7 @@ def child(path: str, dtype: str, workers: int, steps: int, warmup: int) -> dict:
     trainer.fit(model)
     t0, t1 = model.times
     out = {"path": path, "dtype": dtype, "workers": workers, "ips": steps * batch / (t1 - t0)}
-    if path == "install":
+    if path.startswith("install"):
         # The main process's own, and the workers' (in the pool install() gave
         # each DataLoader Lightning iterated).
         from fastpin._runtime import process
@@ -85,6 +93,20 @@ def child(path: str, dtype: str, workers: int, steps: int, warmup: int) -> dict:
     return out
 
 
+def _resident(dataset, batch: int, n: int) -> list:
+    """The upper bound's data: four distinct batches made once on the GPU, handed
+    out n times (references, no copies)."""
+    import torch
+
+    batches = []
+    for k in range(4):
+        samples = [dataset[k * batch + i] for i in range(batch)]
+        x = torch.stack([s[0] for s in samples]).cuda()
+        y = torch.stack([torch.as_tensor(s[1]) for s in samples]).cuda()
+        batches.append((x, y))
+    return [batches[i % 4] for i in range(n)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,6 +115,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--timeout", type=float, default=240, help="seconds per run")
+    p.add_argument("--path", action="append", choices=PATHS)
     p.add_argument("--json")
     p.add_argument("--child", nargs=2, metavar=("PATH", "DTYPE"), help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -103,7 +126,7 @@ def main() -> int:
     rows = []
     for dtype in a.dtype or ("float32", "uint8"):
         for nw in workers:
-            for path in PATHS:
+            for path in a.path or PATHS:
                 cmd = [sys.executable, __file__, "--child", path, dtype, "--workers", str(nw),
                        "--steps", str(a.steps), "--warmup", str(a.warmup)]
                 try:
@@ -116,16 +139,23 @@ def main() -> int:
                     row = {"path": path, "dtype": dtype, "workers": nw, "error": "timed out"}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print("\n| dtype | workers | pin_memory=True img/s | install() img/s | install / stock |")
-    print("|---|---:|---:|---:|---:|")
+    chosen = a.path or PATHS
+    print("\n| dtype | workers | " + " | ".join(f"{p} img/s" for p in chosen)
+          + " | install_device / install | install_device / loader | install_device / resident |")
+    print("|---|---:|" + "---:|" * (len(chosen) + 3))
     for dtype in a.dtype or ("float32", "uint8"):
         for nw in workers:
             got = {r["path"]: r for r in rows if r["dtype"] == dtype and r["workers"] == nw}
-            s, i = (got[p].get("ips") for p in PATHS)
-            cells = [f"{got[p]['ips']:,.0f}" if "ips" in got[p] else f"failed: {got[p]['error']}"
-                     for p in PATHS]
-            ratio = f"{i / s:.2f}x" if s and i else "-"
-            print(f"| {dtype} | {nw} | {cells[0]} | {cells[1]} | {ratio} |")
+            ips = {p: got[p].get("ips") for p in chosen}
+            cells = [f"{ips[p]:,.0f}" if ips.get(p) else f"failed: {got[p]['error']}"
+                     for p in chosen]
+
+            def ratio(a_: str, b_: str) -> str:
+                return f"{ips[a_] / ips[b_]:.2f}" if ips.get(a_) and ips.get(b_) else "-"
+
+            print(f"| {dtype} | {nw} | " + " | ".join(cells)
+                  + f" | {ratio('install_device', 'install')} | {ratio('install_device', 'loader')}"
+                  f" | {ratio('install_device', 'resident')} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
