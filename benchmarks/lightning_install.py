@@ -1,5 +1,5 @@
 """Lightning's Trainer on resnet18, fed by DataLoader(pin_memory=True): stock
-against fastpin.install(), the one-line path (issue 23's target: install() at
+against fastpin.install(), the one-line path (fastpin's target: install() at
 least 2.3x stock on float32 images with 15 workers, never below it on uint8).
 
 Each (dtype, path) runs in a fresh interpreter, so nothing one path left behind
