@@ -36,6 +36,7 @@ help:
 	@echo "make install-dev   the same, with requirements-dev.txt (what make test uses)"
 	@echo "make clean         remove the venvs, build outputs and the C tests' builds"
 	@echo "Variables: PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC=\"$(TORCH_SPEC)\" (empty: CPU build unless a GPU is found)"
+	@echo "           TORCH_VERSION=$(TORCH_VERSION) TORCH_CPU_INDEX=$(TORCH_CPU_INDEX) (the default torch, when TORCH_SPEC is empty)"
 	@echo "           FASTPIN_WERROR=$(FASTPIN_WERROR) BENCH_ARGS=\"$(BENCH_ARGS)\" (make bench's options)"
 	@echo "           PYTEST_ARGS=\"$(PYTEST_ARGS)\" (make test-py's) PYTHONS=\"$(PYTHONS)\" (make test-pythons')"
 
