@@ -1,65 +1,115 @@
 # The two commands of the quick start, and the pieces they are made of
 # (`make help` lists them).
-#   make bench   build a venv, install fastpin into it, run python -m fastpin.bench
-#   make test    the C core's tests (plain, ASan+UBSan, TSan), then pytest against
-#                fastpin installed into the venv as a user would install it
+#   make bench   a venv with torch, numpy, matplotlib and tqdm, fastpin built into it,
+#                then the side-by-side benchmark
+#   make test    the C core's tests (plain, ASan+UBSan, TSan), then pytest in the same
+#                venv with the development packages added
+# fastpin goes into the venv as an editable install: the source tree is the package,
+# its extension built beside the sources, so `python -m fastpin.bench` and `import
+# fastpin` work from the clone's root too (docs/development.md says why).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The torch the dev venv gets, as pip reads it. A version, not a build: pip takes
-# a local CPU wheel where one lies in its find-links (the dev machines'), else
-# PyPI's build for Linux, which is the CUDA one and pulls several GB of CUDA
-# libraries. A CPU-only venv from PyTorch's own index:
-#   make bench TORCH_SPEC="torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu"
-TORCH_SPEC ?= torch==2.13.0
+# The torch the venv gets. Empty: chosen by the machine (torch.stamp below, which
+# says what it is about to download and why before it does). Else pip's own words,
+# used as given, e.g. TORCH_SPEC=torch==2.13.0+cpu or
+# TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
+TORCH_SPEC ?=
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # The Pythons `make test-pythons` builds fastpin for (default: every 3.10-3.13 found).
 PYTHONS ?=
 export FASTPIN_WERROR ?= 1
 
-.PHONY: help bench test test-c test-py test-asan-py test-pythons notebook install clean
+.PHONY: help bench test test-c test-py test-asan-py test-pythons notebook install install-dev clean
 
 help:
-	@echo "make bench         venv in $(VENV) + install, then python -m fastpin.bench (BENCH_ARGS=--quick: short)"
+	@echo "make bench         venv in $(VENV) (torch, numpy, matplotlib, tqdm) + fastpin, then the benchmark (BENCH_ARGS=--quick: short)"
 	@echo "make test          test-c, then test-py: what CI runs first"
 	@echo "make test-c        the C core's tests: plain, ASan+UBSan, TSan (tests/c)"
-	@echo "make test-py       pytest against fastpin installed into $(VENV) (PYTEST_ARGS=...)"
+	@echo "make test-py       pytest in $(VENV), with requirements-dev.txt added (PYTEST_ARGS=...)"
 	@echo "make test-asan-py  pytest of pin_memory, zero-copy, the Loader, settings on an ASan+UBSan build"
 	@echo "make test-pythons  each Python 3.10-3.13 found (PYTHONS=...): fastpin built into a"
 	@echo "                   venv without torch (.venv-py3.X), and the tests that need no torch"
 	@echo "make notebook      examples/compare_throughput.ipynb run headless in $(VENV), to out/"
-	@echo "make install       only the venv and fastpin in it"
+	@echo "make install       only the venv of make bench, fastpin in it"
+	@echo "make install-dev   the same, with requirements-dev.txt (what make test uses)"
 	@echo "make clean         remove the venvs, build outputs and the C tests' builds"
-	@echo "Variables: PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC=\"$(TORCH_SPEC)\" FASTPIN_WERROR=$(FASTPIN_WERROR)"
-	@echo "           BENCH_ARGS=\"$(BENCH_ARGS)\" (make bench's options) PYTEST_ARGS=\"$(PYTEST_ARGS)\" (make test-py's)"
-	@echo "           PYTHONS=\"$(PYTHONS)\" (make test-pythons'; empty: every 3.10-3.13 found)"
+	@echo "Variables: PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC=\"$(TORCH_SPEC)\" (empty: CPU build unless a GPU is found)"
+	@echo "           TORCH_VERSION=$(TORCH_VERSION) TORCH_CPU_INDEX=$(TORCH_CPU_INDEX) (the default torch, when TORCH_SPEC is empty)"
+	@echo "           FASTPIN_WERROR=$(FASTPIN_WERROR) BENCH_ARGS=\"$(BENCH_ARGS)\" (make bench's options)"
+	@echo "           PYTEST_ARGS=\"$(PYTEST_ARGS)\" (make test-py's) PYTHONS=\"$(PYTHONS)\" (make test-pythons')"
 
-# torch in the same pip command as the rest: the ecosystem packages resolve
-# against it and never replace it.
-$(VENV)/.deps: requirements-dev.txt
+# Each step says what it does before it does it: the first line comes at once.
+$(VENV)/venv.stamp:
+	@echo "make: a virtual environment in $(VENV) ($$($(PYTHON) --version 2>&1)); pip's own messages follow"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH_SPEC) -r requirements-dev.txt
 	touch $@
 
-$(VENV)/.installed: $(VENV)/.deps setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*.c csrc/*.h fastpin/*.py fastpin/bench/*.py fastpin/*.pyi fastpin/py.typed)
-	$(PY) -m pip install -q --no-build-isolation .
+# The torch build. With TORCH_SPEC empty: the CPU build unless an NVIDIA GPU is
+# found, first from pip's own configured indexes and find-links (a dry run that
+# fetches their index page only: PyPI has no +cpu builds, a machine's local wheels
+# may), else from PyTorch's CPU index; with a GPU, PyPI's build, the CUDA one.
+# torch-constraint.txt then holds the version installed, so that no later pip
+# command of the venv replaces it.
+$(VENV)/torch.stamp: $(VENV)/venv.stamp
+	@set -e; \
+	if [ -n '$(TORCH_SPEC)' ]; then \
+		spec='$(TORCH_SPEC)'; why='TORCH_SPEC, as given'; \
+	elif nvidia-smi -L >/dev/null 2>&1 || [ -e /proc/driver/nvidia/version ]; then \
+		spec='torch==$(TORCH_VERSION)'; \
+		why="an NVIDIA GPU was found: PyPI's torch for Linux, the CUDA build, which brings NVIDIA's CUDA libraries: several GB to download. For the CPU build instead: Ctrl-C, make clean, make bench TORCH_SPEC='torch==$(TORCH_VERSION)+cpu --extra-index-url $(TORCH_CPU_INDEX)'"; \
+	else \
+		echo "make: torch: no NVIDIA GPU found; asking pip's configured indexes for the CPU build, torch==$(TORCH_VERSION)+cpu"; \
+		if $(PY) -m pip install -q --dry-run --no-deps 'torch==$(TORCH_VERSION)+cpu' >/dev/null 2>&1; then \
+			spec='torch==$(TORCH_VERSION)+cpu'; why="the CPU build (about 200 MB), which pip's configured indexes offer"; \
+		else \
+			spec='torch==$(TORCH_VERSION)+cpu --extra-index-url $(TORCH_CPU_INDEX)'; \
+			why="the CPU build (about 200 MB), from PyTorch's CPU index: pip's configured indexes do not have it (PyPI has only the CUDA build)"; \
+		fi; \
+	fi; \
+	echo "make: torch: pip install $$spec"; \
+	echo "make: torch: $$why"; \
+	$(PY) -m pip install --progress-bar on $$spec
+	$(PY) -c "from importlib.metadata import version; print('torch==' + version('torch'))" \
+		> $(VENV)/torch-constraint.txt
+	@echo "make: torch: $$(cat $(VENV)/torch-constraint.txt) installed"
 	touch $@
 
-install: $(VENV)/.installed
+$(VENV)/bench-deps.stamp: $(VENV)/torch.stamp requirements-bench.txt
+	@echo "make: numpy, matplotlib, tqdm and fastpin's build tools (requirements-bench.txt)"
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -r requirements-bench.txt
+	touch $@
+
+# The ecosystem packages resolve against the torch installed and never replace it.
+$(VENV)/dev-deps.stamp: $(VENV)/bench-deps.stamp requirements-dev.txt
+	@echo "make: the development packages (requirements-dev.txt: pytest, Lightning, Accelerate, mypy, Jupyter's kernel...)"
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -r requirements-dev.txt
+	touch $@
+
+# Editable: the extension is built into fastpin/ beside the sources, and the venv
+# imports the tree. Only the C sources and the build files call for a rebuild.
+$(VENV)/installed.stamp: $(VENV)/bench-deps.stamp setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*.c csrc/*.h)
+	@echo "make: building fastpin's C extension into the source tree, installed editable in $(VENV)"
+	$(PY) -m pip install -q --no-build-isolation --no-deps --editable .
+	touch $@
+
+install: $(VENV)/installed.stamp
+
+install-dev: $(VENV)/installed.stamp $(VENV)/dev-deps.stamp
 
 # Run from here, so BENCH_ARGS' paths (--json run.json) are relative to where make
-# ran; -I (isolated: also on 3.10, where -P is missing) keeps the current directory,
-# the source tree, off sys.path (and PYTHON* variables out): the benchmark imports
-# the installed fastpin.
+# ran; -I (isolated: also on 3.10, where -P is missing) keeps the current directory
+# off sys.path (and PYTHON* variables out), so a recipe copied elsewhere still
+# imports the venv's fastpin.
 bench: install
 	$(PY) -I -m fastpin.bench $(BENCH_ARGS)
 
 test-c:
 	$(MAKE) -C tests/c test asan tsan
 
-# bin/pytest rather than python -m pytest: the source tree must not shadow
-# the installed package.
-test-py: install
+test-py: install-dev
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 test: test-c test-py
@@ -67,7 +117,7 @@ test: test-c test-py
 # The venv's kernel (jupyter prefers a venv's own kernelspecs) starts in examples/;
 # the executed copy goes to out/ (ignored), the JSON and plot to the notebook's
 # OUT_DIR (the system temp dir). --output is relative to the notebook's folder.
-notebook: install
+notebook: install-dev
 	mkdir -p out
 	$(VENV)/bin/jupyter-execute --output=../out/compare_throughput.ipynb examples/compare_throughput.ipynb
 
@@ -88,7 +138,7 @@ ASAN_PY_TESTS := test_pin_batch test_pin_memory test_properties test_dlpack test
 # The first zero-copy Loader of the run did, 2 runs of 3; spawn starts it instead.
 ASAN_PY_SKIP := $(foreach p,False True,\
 	--deselect "tests/test_zero_copy.py::test_workers_write_into_the_shared_arena[$(p)-fork]")
-test-asan-py: $(VENV)/.deps
+test-asan-py: $(VENV)/dev-deps.stamp
 	rm -rf $(ASAN_PY_DIR) && mkdir -p $(ASAN_PY_DIR)/tests
 	cp -r setup.py pyproject.toml README.md LICENSE csrc fastpin $(ASAN_PY_DIR)/
 	cp tests/*.py $(ASAN_PY_DIR)/tests/ && rm -f $(ASAN_PY_DIR)/fastpin/*.so

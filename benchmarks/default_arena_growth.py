@@ -4,7 +4,7 @@ workers' batches (8 workers x prefetch 2: 16; 15 workers: 30). Prints the
 fallbacks, the warnings, what the arena holds at the end and the seconds of the
 slowest pin_memory call (a growth: page-locking a new segment).
 
-    PYTHONPATH=$PWD python benchmarks/default_arena_growth.py LIVE [BATCHES]
+    python benchmarks/default_arena_growth.py LIVE [BATCHES]
 """
 import collections
 import logging

@@ -6,7 +6,7 @@ through) and device=None (pinned on the host), each with a thread (depth=2)
 and without (depth=0); then the same batches from a list, without a thread:
 the Loader's own per-batch cost alone.
 
-    PYTHONPATH=$PWD python benchmarks/loader_per_batch.py [--batches N] [--epochs N]
+    python benchmarks/loader_per_batch.py [--batches N] [--epochs N]
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 pieces fastpin.pin_memory runs for a batch of one tensor (or a dict of 8),
 beside torch's own calls. Medians of --calls calls, microseconds.
 
-    PYTHONPATH=$PWD python benchmarks/pin_parts.py [--calls 5000] [--sizes 65536 1048576]
+    python benchmarks/pin_parts.py [--calls 5000] [--sizes 65536 1048576]
 
 Where the small-batch overhead of benchmarks/pin_small.py goes: read this
 next to it on a GPU machine, where a CUDA context is up.

@@ -1,13 +1,13 @@
 """Per-call cost of fastpin.pin_memory on small batches against a plain copy
 (torch.empty_like(x).copy_(x)), on the CPU: the Python layer's share per batch
-and per leaf (issue 14's targets: at most 1.3x at 64 KB, each extra leaf at
+and per leaf (fastpin's targets: at most 1.3x at 64 KB, each extra leaf at
 most 1.5 us). Median of many calls, one process; then the CPU time of
 every thread of the process over all the calls (/proc/self/task/*/schedstat,
 nanoseconds, grouped by thread name), per call, so copies handed to fastpin's
 copy threads are counted too. The timed calls of every case and both paths
 take turns (five rounds), so a drifting machine moves them alike.
 
-    PYTHONPATH=$PWD python benchmarks/pin_small.py [--calls N]
+    python benchmarks/pin_small.py [--calls N]
 """
 from __future__ import annotations
 

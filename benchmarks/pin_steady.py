@@ -3,7 +3,7 @@ torch's one-thread pin in the same windows: whether the per-call time drifts
 as the loop goes on (a machine warming up, blocks cycling because their
 fences lag), which a single median hides.
 
-    PYTHONPATH=$PWD python benchmarks/pin_steady.py [--bytes 65536] [--windows 12]
+    python benchmarks/pin_steady.py [--bytes 65536] [--windows 12]
         [--calls 10000]
 
 Each window times --calls calls of fastpin.pin_memory(x), then as many of

@@ -1,4 +1,4 @@
-"""The copy pool with spinning workers (issue 25): for each size and each
+"""The copy pool with spinning workers: for each size and each
 _C.set_spin value, the median us of one fastpin.pin_memory(x) call and of one
 _C.copy between two buffers (the pool alone), and beside it the CPU seconds
 per GB copied of every thread of this process (/proc/self/task: the caller,
@@ -6,7 +6,7 @@ the pool's threads, spinning or not, and any other), so what spinning saves
 in time shows next to what it burns. With a GPU, torch's own pin
 (x.pin_memory(), all of torch's threads) is timed alongside.
 
-    PYTHONPATH=$PWD python benchmarks/pool_spin.py [--sizes 256K 512K 1M ...]
+    python benchmarks/pool_spin.py [--sizes 256K 512K 1M ...]
         [--spins 0 20000 100000] [--calls 200] [--rounds 3] [--json FILE]
 
 Every case takes turns with the others in --rounds rounds of --calls calls,

@@ -1,6 +1,6 @@
 """How long each way out of an epoch takes, the plain DataLoader beside
-fastpin.Loader, in the situations of issue 13's table: a slow source and a
-worker that hangs forever. Each case runs in a fresh interpreter; a case still
+fastpin.Loader, in the situations of the never-hang guarantee
+(docs/design.md): a slow source and a worker that hangs forever. Each case runs in a fresh interpreter; a case still
 running after --cap seconds is killed and shown as "> cap".
 
     python benchmarks/shutdown_times.py [--slow 3] [--cap 40] [--case break_hang ...]

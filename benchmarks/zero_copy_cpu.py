@@ -1,8 +1,8 @@
-"""Zero-copy's main-process CPU per batch, thread by thread (issue 14's target:
+"""Zero-copy's main-process CPU per batch, thread by thread (fastpin's target:
 fastpin's own share under 0.1 ms, the whole process under 0.35 ms, whatever the
 batch's bytes and shape). Runs with or without a GPU:
 
-    PYTHONPATH=$PWD python benchmarks/zero_copy_cpu.py [--workers 2] [--batches 200]
+    python benchmarks/zero_copy_cpu.py [--workers 2] [--batches 200]
         [--epochs 3] [--case images clips tokens recsys] [--device host cuda] [--pin-memory]
         [--delay S] [--json OUT]
 

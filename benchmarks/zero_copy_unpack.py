@@ -2,10 +2,11 @@
 without workers: unpickling what a worker ships (adoption included), then making
 its host views; thread CPU per batch and per leaf (4 rounds of 100 batches after
 one not counted). With --device: device mode's views of one buffer of the
-block's bytes instead (a CPU tensor: no GPU needed). Runs against the tree on
-PYTHONPATH, also one from before the layout record (its _pack gave (block, tree)):
+block's bytes instead (a CPU tensor: no GPU needed). Runs against whichever
+fastpin is importable, also one from before the layout record (its _pack gave
+(block, tree)), put first on PYTHONPATH:
 
-    PYTHONPATH=$PWD python benchmarks/zero_copy_unpack.py [--device]
+    python benchmarks/zero_copy_unpack.py [--device]
 """
 import gc
 import pickle

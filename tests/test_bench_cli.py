@@ -22,7 +22,7 @@ from fastpin import bench
 from conftest import patterned
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+README = ROOT / "docs" / "benchmark.md"   # the benchmark guide: every option, path, compare()
 no_gpu = pytest.mark.skipif(fastpin.cuda_available(), reason="checks the machine without a GPU")
 
 

@@ -147,6 +147,17 @@ def test_wheel_metadata(dists):
     assert "Requires-Dist: numpy" in metadata and "Requires-Dist: torch" not in metadata
 
 
+def test_wheel_holds_every_module_of_the_tree(dists):
+    # The venv of make test imports fastpin editable, from the tree: a module or
+    # subpackage the wheel leaves out would still import there. The wheel must
+    # hold every Python file and stub under fastpin/ that the clone has.
+    tree = {p.relative_to(ROOT).as_posix() for p in (ROOT / "fastpin").rglob("*")
+            if p.suffix in (".py", ".pyi") and "__pycache__" not in p.parts}
+    with zipfile.ZipFile(dists["wheel"]) as whl:
+        shipped = set(whl.namelist())
+    assert tree and not sorted(tree - shipped), sorted(tree - shipped)
+
+
 def test_sdist_installs_into_a_fresh_venv_and_runs(dists):
     tmp = dists["tmp"]
     python = fresh_venv(tmp / "venv-sdist", "numpy", "setuptools>=77", "wheel")

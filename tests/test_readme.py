@@ -1,12 +1,13 @@
-"""The README's Python examples run as written.
+"""The Python examples of the README and of docs/*.md run as written.
 
-The convention: an HTML comment line (invisible when the README is rendered)
-right before a Python fence claims that the block runs on a machine without a
-GPU, as written, and on a GPU machine too:
+The convention: an HTML comment line (invisible when the page is rendered)
+right before a Python fence claims that the block runs as written:
 
-    <!-- runs on the CPU -->                    the block runs alone
+    <!-- runs on the CPU -->                    on a machine without a GPU, and with one
     <!-- runs on the CPU, given torch, dataset -->  it uses names it does not define:
                                                    GIVEN below defines each one listed
+    <!-- runs on a GPU -->                      where a GPU is (marked gpu: skipped
+                                                   elsewhere); `, given ...` as above
 
 Blocks with no marker are fragments (a method of a LightningModule, a line of a
 larger script) and are not run; a block that shows one of the calls in MUST_RUN
@@ -26,8 +27,10 @@ import pytest
 
 import fastpin
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-MARKER = re.compile(r"^\s*<!-- runs on the CPU(?:, given (?P<given>[\w, ]+))? -->\s*$")
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+MARKER = re.compile(r"^\s*<!-- runs on (?P<where>the CPU|a GPU)(?:, given (?P<given>[\w, ]+))? -->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>\w*)\s*$")
 
 # What a marked block may be given, by name: small, patterned, quick to load.
@@ -43,15 +46,15 @@ GIVEN = {
                                 torch.arange(256 * 110))
         """,
 }
-# The README's examples of these run here.
+# Examples of these must be marked, and so run here.
 MUST_RUN = ("fastpin.install()", "fastpin.pin_memory(", "fastpin.Loader(dataloader",
             "zero_copy=False", "bench.compare(")
 
 
-def blocks() -> list[tuple[int, str, list[str] | None]]:
-    """Every fenced Python block of the README: (line of its fence, its code,
-    the names it is given, or None where it is not marked to run)."""
-    lines = README.read_text().splitlines()
+def blocks(page: Path = README) -> list[tuple[int, str, list[str] | None, str | None]]:
+    """Every fenced Python block of a page: (line of its fence, its code, the
+    names it is given or None where it is not marked to run, where it runs)."""
+    lines = page.read_text().splitlines()
     found, i = [], 0
     while i < len(lines):
         fence = FENCE.match(lines[i])
@@ -63,41 +66,65 @@ def blocks() -> list[tuple[int, str, list[str] | None]]:
             marker = MARKER.match(lines[i - 1]) if i else None
             given = marker["given"] if marker else None
             found.append((i + 1, textwrap.dedent("\n".join(lines[i + 1:end])),
-                          None if not marker else [n.strip() for n in given.split(",")] if given else []))
+                          None if not marker else [n.strip() for n in given.split(",")] if given else [],
+                          marker["where"] if marker else None))
         i = end + 1
     return found
 
 
-MARKED = [(line, code, given) for line, code, given in blocks() if given is not None]
+def every_block() -> list[tuple[str, int, str, list[str] | None, str | None]]:
+    return [(page.relative_to(ROOT).as_posix(), *b) for page in PAGES for b in blocks(page)]
+
+
+MARKED = [b for b in every_block() if b[3] is not None]
 
 
 def test_markers_sit_on_python_blocks():
-    lines = README.read_text().splitlines()
-    for i, line in enumerate(lines):
-        if line.lstrip().startswith("<!--") and "runs on the CPU" in line:
-            assert MARKER.match(line), f"README.md:{i + 1}: not a marker as this test reads it"
-            assert i + 1 < len(lines) and FENCE.match(lines[i + 1])["lang"] == "python", \
-                f"README.md:{i + 1}: a marker must come right before a ```python fence"
-    for line, _, given in MARKED:
-        assert set(given) <= set(GIVEN), f"README.md:{line}: GIVEN has no {set(given) - set(GIVEN)}"
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        name = page.relative_to(ROOT).as_posix()
+        for i, line in enumerate(lines):
+            if line.lstrip().startswith("<!--") and "runs on " in line:
+                assert MARKER.match(line), f"{name}:{i + 1}: not a marker as this test reads it"
+                assert i + 1 < len(lines) and FENCE.match(lines[i + 1])["lang"] == "python", \
+                    f"{name}:{i + 1}: a marker must come right before a ```python fence"
+    for name, line, _, given, _ in MARKED:
+        assert set(given) <= set(GIVEN), f"{name}:{line}: GIVEN has no {set(given) - set(GIVEN)}"
 
 
 def test_the_examples_that_must_run_are_marked():
-    every = blocks()
+    every = every_block()
     for call in MUST_RUN:
-        assert any(call in code for _, code, given in every if given is not None), \
-            f"no marked README block shows {call}"
-        unmarked = [line for line, code, given in every if given is None and call in code]
-        assert not unmarked, f"README.md:{unmarked}: a block that shows {call} is not marked"
+        assert any(call in code for _, _, code, given, _ in every if given is not None), \
+            f"no marked block of the README or docs/ shows {call}"
+        unmarked = [f"{name}:{line}" for name, line, code, given, _ in every
+                    if given is None and call in code]
+        assert not unmarked, f"{unmarked}: a block that shows {call} is not marked"
+
+
+def test_the_readme_shows_the_one_line_uses_first():
+    # The first screen: what fastpin is, the two commands, and a first example.
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines"
+    first = "\n".join(lines[:40])
+    assert "make bench" in first and "make test" in first and "fastpin.install()" in first
+    for call in ("fastpin.install()", 'fastpin.install(device="cuda")', "fastpin.Loader("):
+        assert any(call in code for line, code, given, _ in blocks() if given is not None), call
+
+
+def _params():
+    for name, line, code, given, where in MARKED:
+        marks = [pytest.mark.gpu] if where == "a GPU" else []
+        yield pytest.param(name, line, code, given, marks=marks, id=f"{name}:{line}")
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("line, code, given", MARKED, ids=[f"README.md:{b[0]}" for b in MARKED])
-def test_readme_block_runs(line, code, given, tmp_path):
-    setup = "".join(textwrap.dedent(GIVEN[name]) for name in given)
-    script = tmp_path / f"readme_{line}.py"
+@pytest.mark.parametrize("name, line, code, given", list(_params()))
+def test_block_runs(name, line, code, given, tmp_path):
+    setup = "".join(textwrap.dedent(GIVEN[g]) for g in given)
+    script = tmp_path / f"block_{line}.py"
     script.write_text(setup + code + "\n")
     env = dict(os.environ, PYTHONPATH=str(Path(fastpin.__file__).parent.parent), MPLBACKEND="agg")
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"README.md:{line} failed:\n{script.read_text()}\n{proc.stderr}"
+    assert proc.returncode == 0, f"{name}:{line} failed:\n{script.read_text()}\n{proc.stderr}"
