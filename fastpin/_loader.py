@@ -46,18 +46,22 @@ def _at_exit() -> None:
     finalizes: from then on a thread that takes the GIL back is ended where it
     stands, and inside a torch call (which releases the GIL) or a tensor's
     free, that end aborts the process (a C++ destructor). So each thread gets
-    the short grace a closing epoch gives it to leave what it is doing
-    (preparing or queueing a batch: bounded work) and park, holding what it
-    has, freeing nothing (_Producer.park). None is waited on inside the
-    source: a worker may hang forever; the DataLoader's own exit path,
-    multiprocessing's atexit, terminates its workers without waiting either."""
+    the short grace a closing epoch gives it to leave what it is doing and
+    park, holding what it has, freeing nothing (_Producer.park): preparing or
+    queueing a batch, and reading a source that runs in this process (a
+    DataLoader without workers, a generator: its fetch and collate call torch
+    in this very thread, and end with the batch). Only a thread waiting on
+    worker processes is not waited for: a worker may hang forever, and the
+    thread only waits on a queue there, in no torch call; the DataLoader's own
+    exit path, multiprocessing's atexit, terminates its workers without
+    waiting either."""
     process.exiting = True
     producers = list(process.producers)
     for producer in producers:
         producer.halt()  # its queued batches go here, in the main thread
     deadline = time.monotonic() + _GRACE
     for producer in producers:
-        while (producer.thread.is_alive() and not producer.in_source
+        while (producer.thread.is_alive() and not producer.waits_on_workers()
                and time.monotonic() < deadline and not producer.parked.wait(0.01)):
             pass
 
@@ -320,6 +324,9 @@ class _Producer:
             previous.wait()
             previous = None
         self.source = iter(source)
+        # Whether the source's batches come from worker processes: a thread
+        # inside it then only waits on their queues (see waits_on_workers).
+        self.worker_backed = _worker_backed(self.source)
         # Another iterator over the same dataset, run in this process by a
         # previous epoch's thread that is still inside it (0 workers, a plain
         # iterable): this thread waits for it to leave before reading the source,
@@ -380,6 +387,11 @@ class _Producer:
                 self.ended = True
                 if not process.exiting:
                     mode.end()
+
+    def waits_on_workers(self) -> bool:
+        """Inside a source whose batches come from worker processes: the
+        thread only waits on their queues there, for as long as they take."""
+        return self.in_source and self.worker_backed
 
     def park(self) -> None:
         """The interpreter is exiting: block here for good, holding every
