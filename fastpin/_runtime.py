@@ -263,6 +263,121 @@ def cuda_available() -> bool:
     return ready
 
 
+# ---- the memory this process may use --------------------------------------------------
+#
+# A job's limit is rarely at the root of the cgroup mount: Slurm, systemd and
+# container runtimes put each job in a cgroup nested below it, and the limit
+# on any cgroup above the process's own bounds it too. So the limit is read at
+# the process's own cgroup (/proc/self/cgroup, located under its mount by
+# /proc/self/mountinfo) and at every cgroup above it, and the tightest wins.
+
+# Per cgroup version: the files that bound the memory of the cgroup's
+# processes. memory.high is a throttle rather than a kill, but a process kept
+# above it is reclaimed from nonstop, and page-locked memory cannot be.
+_LIMIT_FILES = {"cgroup2": ("memory.max", "memory.high"), "cgroup": ("memory.limit_in_bytes",)}
+
+
+def _unescape(field: str) -> str:
+    """A path as mountinfo writes it: space, tab, newline and backslash octal-escaped."""
+    return field.replace("\\040", " ").replace("\\011", "\t").replace(
+        "\\012", "\n").replace("\\134", "\\")
+
+
+def _memory_mounts(mountinfo: str) -> list:
+    """(fs type, the cgroup path mounted, mount point) of every cgroup2 mount
+    and every cgroup v1 mount of the memory controller in `mountinfo`."""
+    mounts = []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        dash = fields.index("-", 6)
+        fstype, options = fields[dash + 1], fields[dash + 3] if len(fields) > dash + 3 else ""
+        if fstype == "cgroup2" or (fstype == "cgroup" and "memory" in options.split(",")):
+            mounts.append((fstype, _unescape(fields[3]), _unescape(fields[4])))
+    return mounts
+
+
+def _own_cgroups(cgroup: str) -> dict:
+    """The process's cgroup path in each hierarchy that can hold a memory limit
+    ("cgroup2": the unified one, "cgroup": v1's memory controller), from
+    /proc/self/cgroup's lines (hierarchy id:controllers:path)."""
+    own = {}
+    for line in cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            own["cgroup2"] = path
+        elif "memory" in controllers.split(","):
+            own["cgroup"] = path
+    return own
+
+
+def _read_limit(path: str) -> Optional[int]:
+    """A limit file's bytes; None where it is missing, unreadable or says "max"."""
+    try:
+        with open(path) as f:
+            value = f.read().strip()
+    except OSError:
+        return None
+    return int(value) if value.isdigit() else None
+
+
+def _limits_up(mount_point: str, relative: str, files: tuple) -> list:
+    """The limits set in `files` of cgroup `relative` (a path below the mount)
+    and of every cgroup above it, up to the mount's own root."""
+    parts = [p for p in relative.split("/") if p and p != "."]
+    if ".." in parts:
+        parts = []  # outside the mounted part of the tree: only its root is known
+    limits = []
+    for depth in range(len(parts), -1, -1):
+        directory = os.path.join(mount_point, *parts[:depth])
+        for name in files:
+            value = _read_limit(os.path.join(directory, name))
+            if value is not None:
+                limits.append(value)
+    return limits
+
+
+def cgroup_memory_limit(root: str = "/") -> Optional[int]:
+    """The tightest memory limit (bytes) on this process's own cgroup and every
+    cgroup above it, in the unified hierarchy (memory.max, memory.high) and in
+    v1's memory controller (memory.limit_in_bytes); None where none is set or
+    none can be read. `root`: where /proc and the cgroup mounts are found (a
+    fake tree, in tests)."""
+    def read(path: str) -> str:
+        try:
+            with open(os.path.join(root, path.lstrip("/"))) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    own = _own_cgroups(read("/proc/self/cgroup"))
+    limits = []
+    for fstype, mounted, point in _memory_mounts(read("/proc/self/mountinfo")):
+        path = own.get(fstype)
+        if path is None:
+            continue
+        # A mount shows the tree from `mounted` down (a container's own
+        # cgroup, say); the process's path is relative to the tree's root.
+        if mounted != "/" and (path == mounted or path.startswith(mounted.rstrip("/") + "/")):
+            path = path[len(mounted.rstrip("/")):]
+        elif mounted != "/":
+            path = "/.."  # not below the mounted part: only the mount's root is known
+        limits += _limits_up(os.path.join(root, point.lstrip("/")), path, _LIMIT_FILES[fstype])
+    return min(limits) if limits else None
+
+
+def memory_bytes(root: str = "/") -> int:
+    """The memory this process may use: the machine's, or the tightest limit of
+    its cgroups (cgroup_memory_limit) where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = cgroup_memory_limit(root)
+    return total if limit is None else min(total, limit)
+
+
 # ---- counters and warnings -----------------------------------------------------------
 
 counts = {"batches": 0, "leaves": 0, "bytes": 0, "fallbacks": 0}

@@ -25,7 +25,7 @@ import weakref
 from typing import Callable, Optional
 
 from . import _C, _numa
-from ._runtime import process, zero_copy_max_bytes
+from ._runtime import memory_bytes, process, zero_copy_max_bytes
 
 log = logging.getLogger("fastpin")
 
@@ -224,17 +224,9 @@ _GiB = 1 << 30
 
 
 def _memory_bytes() -> int:
-    """The memory this process may use: the machine's, or its cgroup's limit."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                value = f.read().strip()
-        except OSError:
-            continue
-        if value.isdigit():
-            total = min(total, int(value))
-    return total
+    """The memory this process may use: the machine's, or the tightest limit
+    of its own cgroup and those above it (_runtime.memory_bytes)."""
+    return memory_bytes()
 
 
 def default_cap(registered: bool) -> int:
