@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional, Union
 from . import _C, _graphs, _modes, _numa, _torch
 from ._arena import cuda_available, default_arena, device_index
 from ._grow import GrowingArena
-from ._runtime import check_capacity, check_int, process, settings
+from ._runtime import check_capacity, check_int, memory_room, process, settings
 
 log = logging.getLogger("fastpin")
 
@@ -327,6 +327,8 @@ class _Producer:
         # Whether the source's batches come from worker processes: a thread
         # inside it then only waits on their queues (see waits_on_workers).
         self.worker_backed = _worker_backed(self.source)
+        if self.worker_backed:
+            _workers_first_to_go(self.source)
         # Another iterator over the same dataset, run in this process by a
         # previous epoch's thread that is still inside it (0 workers, a plain
         # iterable): this thread waits for it to leave before reading the source,
@@ -350,6 +352,7 @@ class _Producer:
                     self.previous.thread.join(_POLL)
                 self.previous = None
             while True:
+                self.hold_back()
                 self.in_source = True
                 if self.stop.is_set():
                     return
@@ -387,6 +390,19 @@ class _Producer:
                 self.ended = True
                 if not process.exiting:
                     mode.end()
+
+    def hold_back(self) -> None:
+        """Under a cgroup memory limit that leaves less than two batches of room
+        (_runtime.memory_room), take no batch ahead of the consumer: each one
+        queued is held here on top of what the source holds, and a process that
+        holds more than its workers is the one the kernel kills, without a word,
+        where the DataLoader alone would lose a worker and raise."""
+        stats = self.stats
+        while not self.stop.is_set() and not self.queue.empty():
+            room = memory_room()
+            if room is None or (stats.batches and room >= 2 * stats.bytes // stats.batches):
+                return
+            time.sleep(_POLL / 10)
 
     def waits_on_workers(self) -> bool:
         """Inside a source whose batches come from worker processes: the
@@ -482,6 +498,30 @@ def _worker_backed(source) -> bool:
     """A DataLoader iterator with worker processes: a thread inside its next()
     only waits on its queues, and reads no dataset in this process."""
     return hasattr(source, "_shutdown_workers")
+
+
+# Added to a DataLoader worker's oom_score_adj under a cgroup memory limit
+# (the kernel's scale: -1000 never, +1000 first).
+_WORKER_OOM_ADJ = 500
+
+
+def _workers_first_to_go(source) -> None:
+    """Under a cgroup memory limit, make the DataLoader iterator's workers the
+    kernel's first choice when the cgroup runs out (raising a process's
+    oom_score_adj needs no privilege). The Loader's process holds the batches
+    it prepares ahead, the copies and the arena, so it is the largest, and the
+    kernel would kill it without a word; a killed worker is what the
+    DataLoader alone would lose, and its iterator then raises, saying so."""
+    if memory_room() is None:
+        return
+    for worker in getattr(source, "_workers", ()):
+        try:
+            with open(f"/proc/{worker.pid}/oom_score_adj", "r+") as f:
+                now = int(f.read().strip() or 0)
+                f.seek(0)
+                f.write(str(min(now + _WORKER_OOM_ADJ, 1000)))
+        except (OSError, ValueError, AttributeError):
+            pass  # gone already, or /proc refused: the kernel chooses as before
 
 
 def _shutdown_workers(source) -> None:

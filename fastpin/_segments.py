@@ -25,7 +25,7 @@ import weakref
 from typing import Callable, Optional
 
 from . import _C, _numa
-from ._runtime import memory_bytes, process, zero_copy_max_bytes
+from ._runtime import memory_bytes, memory_room, process, zero_copy_max_bytes
 
 log = logging.getLogger("fastpin")
 
@@ -353,6 +353,17 @@ class Pool:
             if add < wanted:   # no room for even one more such block under the cap
                 add = wanted if have + wanted <= self.cap else 0
             add = min(-(-add // (2 * _MiB)) * 2 * _MiB, self.cap - have) if add else 0
+            # Within what the cgroup's limit leaves: registered, a segment is
+            # resident at once, and past the limit the kernel kills a process
+            # without a word. The next request looks again.
+            room = memory_room()
+            if room is not None and add > room:
+                add = room // (2 * _MiB) * 2 * _MiB
+                if add < wanted:
+                    _set_word(view, _DIR_SERVED, wanted)  # no room now: workers fall back
+                    log.debug("fastpin: shared arena not grown for blocks of %d bytes: its "
+                              "cgroup's memory limit leaves %d bytes", wanted, room)
+                    return
             if add < wanted or len(self.segments) >= _MAX_SEGMENTS:
                 self._cap_reached()
                 return

@@ -8,6 +8,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -97,10 +98,19 @@ class MemoryCgroup:
     def close(self) -> None:
         for child in self.children:
             child.close()
-        try:
-            os.rmdir(self.path)
-        except OSError:
-            pass  # a process still in it: the kernel removes it with its last
+        # Killed workers may take a moment to be reaped; a cgroup with a
+        # process in it cannot go.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
 
 def memory_cgroup() -> MemoryCgroup:
