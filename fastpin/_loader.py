@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 import time
@@ -178,6 +179,7 @@ class Loader:
         self._placement = _numa.for_device(self._index if self._index >= 0 else None)
         _numa.pin_threads(self._placement)
         _graphs.watch()  # the blocks this Loader hands out are fenced on free
+        self._pid = os.getpid()  # the process whose epochs, arena and pool these are
         self._active: Optional[weakref.ref] = None
         self._producer: Optional[weakref.ref] = None
         self._pool: Any = None  # zero-copy: the shared arena's segments (_zerocopy.Pool)
@@ -224,6 +226,8 @@ class Loader:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self):
+        if self._pid != os.getpid():
+            self._in_forked_child()
         # One epoch at a time: a new iteration ends the previous one.
         previous = self._active() if self._active is not None else None
         if previous is not None:
@@ -235,6 +239,27 @@ class Loader:
         self._active = weakref.ref(epoch)
         self._producer = weakref.ref(epoch.producer)
         return epoch
+
+    def _in_forked_child(self) -> None:
+        """First iter() in a process forked from the one that made this Loader
+        (os.fork, a 'fork' multiprocessing.Process): the parent's epoch threads
+        do not exist here (nor may its locks be taken: one may have been held
+        at fork), and zero-copy's shared arena is the parent's, registered in
+        the parent's CUDA context, its blocks adopted there only. So this
+        process's epochs start afresh and take the copy path, with workers of
+        their own (the DataLoader's own collate_fn); the parent's Loader is
+        untouched."""
+        self._pid = os.getpid()
+        self._active = self._producer = None
+        self._stats = _modes.Stats()
+        if self.zero_copy:
+            log.info("fastpin.Loader: iterated in a process forked from the one that made it; "
+                     "zero-copy's shared arena is that process's, so this one's batches take "
+                     "the copy path (make a Loader here for zero-copy in this process)")
+            self._pool = self._arena = None
+            self._source = _own_workers(self.loader)
+            self.zero_copy = False
+            self._mode = _modes.choose(self.device, False)
 
     def state_dict(self) -> dict:
         """The wrapped loader's state (torchdata's StatefulDataLoader, say). Batches
