@@ -177,6 +177,10 @@ class _Directory:
         else:
             # Before this worker has a segment to count in; racy, so a lower bound.
             _set_word(self.map, _DIR_FALLBACKS, _word(self.map, _DIR_FALLBACKS) + 1)
+        try:
+            os.eventfd_write(self.wake, 1)  # the main process says so (Pool.tell_fallbacks)
+        except OSError:
+            pass
 
 
 _directories = process.directories   # pool id -> _Directory, in workers
@@ -304,6 +308,8 @@ class Pool:
         self.directory = None
         self.cap = cap
         self.capped = False
+        self.warn_fallbacks = False  # install(): warn once of the first fallback (tell_fallbacks)
+        self.warned = False
         self.lock = threading.Lock()
         if arena is None and capacity is not None:
             arena = make(capacity)
@@ -388,6 +394,31 @@ class Pool:
             log.debug("fastpin: shared arena grown by %d bytes to %d for blocks of %d bytes",
                       add, have + add, wanted)
 
+    def tell_fallbacks(self) -> None:
+        """Once per pool that asks for it (install()'s: a Loader's warns on its
+        own, Adopt.warn_full): the first batch a worker could not place, with
+        the pool's size, what holds it and what to change."""
+        if not self.warn_fallbacks or self.warned:
+            return
+        s = self.stats()
+        if not s or not s["fallbacks"]:
+            return
+        self.warned = True
+        if self.capped or self.capacity >= self.cap:
+            fix = (f"it grows no further than its cap of {self.cap} bytes: raise it with "
+                   "FASTPIN_ZERO_COPY_MAX_BYTES, or keep fewer batches alive")
+        else:
+            fix = ("it is sized for the batches in flight: keep fewer batches alive (each "
+                   "one held keeps its block), or raise FASTPIN_ZERO_COPY_MAX_BYTES so that "
+                   "it may grow past them")
+        log.warning(
+            "fastpin.install(): a DataLoader worker found the shared pool full (%d bytes in "
+            "%d segments, %d held by batches alive or in flight: the workers' "
+            "num_workers x prefetch_factor, the pin thread's and those the loop keeps) and "
+            "collated a batch the ordinary way (through /dev/shm, pinned by copy; counted in "
+            "fastpin.stats()['fallbacks']); %s", self.capacity, len(self.segments),
+            s.get("bytes_in_use", 0), fix)
+
     def _cap_reached(self) -> None:
         self.capped = True
         _set_word(self.view, _DIR_SERVED, _CAPPED)
@@ -417,6 +448,19 @@ class Pool:
         return out
 
 
+def fallbacks() -> int:
+    """The batches workers could not place in the self-sizing pools this
+    process made and still holds (install()'s and the Loaders'), for
+    fastpin.stats(); a forked child's copies of its parent's are not its own."""
+    pid = os.getpid()
+    total = 0
+    for pool in list(_pools.values()):
+        if pool.creator == pid:
+            s = pool.stats()
+            total += s["fallbacks"] if s else 0
+    return total
+
+
 def _grower(pool_ref, view, dir_fd: int, wake: int) -> None:
     """The thread that adds segments when workers ask; it holds the pool only
     while it grows it, and closes the directory once the pool's finalizer has
@@ -440,6 +484,7 @@ def _grower(pool_ref, view, dir_fd: int, wake: int) -> None:
             try:
                 pool.collect()  # the fences workers may be waiting on (wait_for_frees)
                 pool.grow()
+                pool.tell_fallbacks()
             except Exception:  # noqa: BLE001 - never crash; workers time out and fall back
                 log.exception("fastpin: growing the shared arena failed")
             finally:
