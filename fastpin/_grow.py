@@ -155,7 +155,9 @@ class GrowingArena:
         except (_C.FastpinError, OSError) as e:
             self.refused = str(e)
             log.warning("fastpin: the default arena could not grow by %d bytes (%s); it stays "
-                        "at %d bytes, and batches that find it full take the on_full policy",
+                        "at %d bytes, and batches that find it full take the on_full policy. "
+                        "Raise the locked-memory limit (ulimit -l, RLIMIT_MEMLOCK; a container's "
+                        "--ulimit memlock=-1), or free memory on the machine",
                         add, self.refused, held)
             return False
         self.segments = (arena, *keep)
@@ -188,9 +190,11 @@ class GrowingArena:
 
     def _no_room(self, need: Optional[int]) -> str:
         what = f"{need} bytes" if need is not None else "a batch"
-        why = ("the driver refused to page-lock more" if self.refused
-               else self.tight if self.tight
-               else f"it grows no further than its cap of {self.cap} bytes")
+        why = ("the driver refused to page-lock more: raise the locked-memory limit "
+               "(ulimit -l)" if self.refused
+               else f"{self.tight}: give the job more memory" if self.tight
+               else f"it grows no further than its cap of {self.cap} bytes: for more, give a "
+                    "fixed arena with fastpin.configure(capacity=...) or FASTPIN_ARENA_BYTES")
         return (f"no room for {what} in the default arena ({self.capacity} bytes in "
                 f"{len(self.segments)} segments, {self.stats()['bytes_in_use']} in use by "
                 f"live batches): {why}")

@@ -407,7 +407,9 @@ class Adopt:
         ahead = _zerocopy.batches_ahead(self.loader)
         need = _zerocopy.capacity_for(self.loader, nbytes, self.depth)
         pool = self.pool
-        if pool.fixed:
+        if _zerocopy.advice_for(pool):
+            advice = _zerocopy.advice_for(pool)
+        elif pool.fixed:
             advice = f"for this DataLoader give it capacity={need} ({need / 1e6:.0f} MB) or more."
         elif pool.capacity < need:
             advice = (f"it sizes itself, up to max_capacity={pool.cap} bytes (or "

@@ -25,7 +25,7 @@ import weakref
 from typing import Callable, Optional
 
 from . import _C, _numa
-from ._runtime import memory_bytes, memory_room, process, zero_copy_max_bytes
+from ._runtime import cgroup_memory_limit, memory_bytes, memory_room, process, zero_copy_max_bytes
 
 log = logging.getLogger("fastpin")
 
@@ -308,6 +308,8 @@ class Pool:
         self.directory = None
         self.cap = cap
         self.capped = False
+        self.refused: Optional[str] = None  # why the driver refused a segment (no more growth)
+        self.tight: Optional[str] = None    # why the cgroup left no room for one
         self.warn_fallbacks = False  # install(): warn once of the first fallback (tell_fallbacks)
         self.warned = False
         self.lock = threading.Lock()
@@ -366,6 +368,8 @@ class Pool:
             if room is not None and add > room:
                 add = room // (2 * _MiB) * 2 * _MiB
                 if add < wanted:
+                    self.tight = (f"its cgroup's memory limit of {cgroup_memory_limit()} bytes "
+                                  f"leaves {room} bytes (after an eighth kept free)")
                     _set_word(view, _DIR_SERVED, wanted)  # no room now: workers fall back
                     log.debug("fastpin: shared arena not grown for blocks of %d bytes: its "
                               "cgroup's memory limit leaves %d bytes", wanted, room)
@@ -376,9 +380,10 @@ class Pool:
             try:
                 arena = self.make(add)
             except (_C.FastpinError, OSError) as e:
+                self.refused = str(e)
                 log.warning("fastpin zero-copy: could not add %d bytes to the shared "
                             "arena (%s); it stays at %d bytes, and batches that do not fit are "
-                            "pinned by copy", add, str(e), have)
+                            "pinned by copy. %s", add, self.refused, have, REFUSED_ADVICE)
                 self._cap_reached()
                 return
             self._add(arena)
@@ -404,7 +409,9 @@ class Pool:
         if not s or not s["fallbacks"]:
             return
         self.warned = True
-        if self.capped or self.capacity >= self.cap:
+        if self.refused or self.tight:
+            fix = advice_for(self)
+        elif self.capped or self.capacity >= self.cap:
             fix = (f"it grows no further than its cap of {self.cap} bytes: raise it with "
                    "FASTPIN_ZERO_COPY_MAX_BYTES, or keep fewer batches alive")
         else:
@@ -446,6 +453,24 @@ class Pool:
         if self.directory is not None:
             out["fallbacks"] += _word(self.view, _DIR_FALLBACKS)
         return out
+
+
+# What helps when the driver refuses to page-lock more memory: a larger cap
+# would not. Its usual cause is the locked-memory limit; else the machine's memory.
+REFUSED_ADVICE = ("Raise the locked-memory limit (ulimit -l, RLIMIT_MEMLOCK; a container's "
+                  "--ulimit memlock=-1), or free memory on the machine")
+TIGHT_ADVICE = ("Give the job more memory, or hold fewer batches at once (the DataLoader's "
+                "num_workers x prefetch_factor, the Loader's depth, the batches the loop keeps)")
+
+
+def advice_for(pool) -> str:
+    """Why a pool that cannot grow cannot, and what would help (for warnings
+    about its fallbacks), or "" where it simply reached its cap."""
+    if pool.refused:
+        return f"the driver refused to page-lock more ({pool.refused}). {REFUSED_ADVICE}"
+    if pool.tight:
+        return f"{pool.tight}. {TIGHT_ADVICE}"
+    return ""
 
 
 def fallbacks() -> int:
