@@ -27,11 +27,17 @@ def stats() -> dict:
     """Counters of fastpin.pin_memory / collate (batches, leaves, bytes, fallbacks)
     and of the current GPU's default arena (bytes in use, high-water, blocks per
     class, ...), or "arena": None before anything made it: reading stats
-    page-locks nothing."""
+    page-locks nothing. fallbacks: every batch that went the ordinary way, also
+    those DataLoader workers could not place in a zero-copy pool (install()'s and
+    the Loaders' self-sizing pools still alive; worker_fallbacks: those alone)."""
     from ._arena import made_default_arena
     from ._runtime import counters
+    from ._segments import fallbacks
     arena = made_default_arena()
-    return {**counters(), "arena": None if arena is None else arena.stats()}
+    out = counters()
+    out["worker_fallbacks"] = fallbacks()
+    out["fallbacks"] += out["worker_fallbacks"]
+    return {**out, "arena": None if arena is None else arena.stats()}
 
 
 def __getattr__(name):

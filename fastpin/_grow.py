@@ -25,6 +25,7 @@ import threading
 from typing import Any, Callable, Optional
 
 from . import _C
+from ._runtime import cgroup_memory_limit, first, memory_room
 
 log = logging.getLogger("fastpin")
 
@@ -51,6 +52,9 @@ class GrowingArena:
         self.make = make
         self.cap = cap
         self.refused: Optional[str] = None  # why the driver refused a segment: no more growth
+        # Why the last growth found too little memory left in the cgroup (None:
+        # it did not); unlike a refusal, the next growth tries again.
+        self.tight: Optional[str] = None
         # Newest first. Replaced whole under the lock, never changed in place:
         # a pin reads it once, without the lock.
         self.segments: tuple = (make(min(start, cap)),)
@@ -143,23 +147,54 @@ class GrowingArena:
         add = min(-(-max(held, _BATCHES * block) // _GRAIN) * _GRAIN, room)
         if add < block:
             return False
+        add = self._within_cgroup(add, block)
+        if add < block:
+            return False
         try:
             arena = self.make(add)
         except (_C.FastpinError, OSError) as e:
             self.refused = str(e)
             log.warning("fastpin: the default arena could not grow by %d bytes (%s); it stays "
-                        "at %d bytes, and batches that find it full take the on_full policy",
+                        "at %d bytes, and batches that find it full take the on_full policy. "
+                        "Raise the locked-memory limit (ulimit -l, RLIMIT_MEMLOCK; a container's "
+                        "--ulimit memlock=-1), or free memory on the machine",
                         add, self.refused, held)
             return False
         self.segments = (arena, *keep)
+        self.tight = None
         log.debug("fastpin: the default arena grew by %d bytes to %d (%d segments) for a "
                   "batch of %d bytes", add, self.capacity, len(self.segments), need)
         return True
 
+    def _within_cgroup(self, add: int, block: int) -> int:
+        """`add` bytes, or less (whole grains, at least `block`: else 0) where the
+        cgroup's limit leaves less room (_runtime.memory_room): a segment is
+        resident once used (at once where page-locked), and past the limit the
+        kernel kills the process without a word. Batches that find no room take
+        the on_full policy meanwhile; the next growth looks again."""
+        room = memory_room()
+        if room is None or add <= room:
+            return add
+        fits = room // _GRAIN * _GRAIN
+        if fits >= block:
+            return fits
+        self.tight = (f"its cgroup's memory limit of {cgroup_memory_limit()} bytes leaves "
+                      f"{room} bytes (after an eighth kept free) for a segment of {add}")
+        if first("default arena: cgroup"):
+            log.warning("fastpin: the default arena cannot grow: %s; it stays at %d bytes, "
+                        "and batches that find it full take the on_full policy (fallback: "
+                        "pinned the ordinary way). Give the job more memory, or hold fewer "
+                        "batches at once (the DataLoader's num_workers x prefetch_factor, the "
+                        "Loader's depth)", self.tight, self.capacity)
+        return 0
+
     def _no_room(self, need: Optional[int]) -> str:
         what = f"{need} bytes" if need is not None else "a batch"
-        why = ("the driver refused to page-lock more" if self.refused
-               else f"it grows no further than its cap of {self.cap} bytes")
+        why = ("the driver refused to page-lock more: raise the locked-memory limit "
+               "(ulimit -l)" if self.refused
+               else f"{self.tight}: give the job more memory" if self.tight
+               else f"it grows no further than its cap of {self.cap} bytes: for more, give a "
+                    "fixed arena with fastpin.configure(capacity=...) or FASTPIN_ARENA_BYTES")
         return (f"no room for {what} in the default arena ({self.capacity} bytes in "
                 f"{len(self.segments)} segments, {self.stats()['bytes_in_use']} in use by "
                 f"live batches): {why}")

@@ -136,6 +136,7 @@ def _pool_for(loader):
     shape = types.SimpleNamespace(num_workers=loader.num_workers,
                                   prefetch_factor=loader.prefetch_factor)
     pool = _zerocopy.Pool(make, loader=shape, depth=_DEPTH, cap=_zerocopy.default_cap(index >= 0))
+    pool.warn_fallbacks = True  # no Loader here to say so: the pool does (tell_fallbacks)
     try:
         process.installed_pools[loader] = (index, pool)
     except TypeError:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 import time
@@ -29,7 +30,7 @@ from typing import Any, Iterable, Optional, Union
 from . import _C, _graphs, _modes, _numa, _torch
 from ._arena import cuda_available, default_arena, device_index
 from ._grow import GrowingArena
-from ._runtime import check_capacity, check_int, process, settings
+from ._runtime import check_capacity, check_int, memory_room, process, settings
 
 log = logging.getLogger("fastpin")
 
@@ -46,18 +47,22 @@ def _at_exit() -> None:
     finalizes: from then on a thread that takes the GIL back is ended where it
     stands, and inside a torch call (which releases the GIL) or a tensor's
     free, that end aborts the process (a C++ destructor). So each thread gets
-    the short grace a closing epoch gives it to leave what it is doing
-    (preparing or queueing a batch: bounded work) and park, holding what it
-    has, freeing nothing (_Producer.park). None is waited on inside the
-    source: a worker may hang forever; the DataLoader's own exit path,
-    multiprocessing's atexit, terminates its workers without waiting either."""
+    the short grace a closing epoch gives it to leave what it is doing and
+    park, holding what it has, freeing nothing (_Producer.park): preparing or
+    queueing a batch, and reading a source that runs in this process (a
+    DataLoader without workers, a generator: its fetch and collate call torch
+    in this very thread, and end with the batch). Only a thread waiting on
+    worker processes is not waited for: a worker may hang forever, and the
+    thread only waits on a queue there, in no torch call; the DataLoader's own
+    exit path, multiprocessing's atexit, terminates its workers without
+    waiting either."""
     process.exiting = True
     producers = list(process.producers)
     for producer in producers:
         producer.halt()  # its queued batches go here, in the main thread
     deadline = time.monotonic() + _GRACE
     for producer in producers:
-        while (producer.thread.is_alive() and not producer.in_source
+        while (producer.thread.is_alive() and not producer.waits_on_workers()
                and time.monotonic() < deadline and not producer.parked.wait(0.01)):
             pass
 
@@ -174,6 +179,7 @@ class Loader:
         self._placement = _numa.for_device(self._index if self._index >= 0 else None)
         _numa.pin_threads(self._placement)
         _graphs.watch()  # the blocks this Loader hands out are fenced on free
+        self._pid = os.getpid()  # the process whose epochs, arena and pool these are
         self._active: Optional[weakref.ref] = None
         self._producer: Optional[weakref.ref] = None
         self._pool: Any = None  # zero-copy: the shared arena's segments (_zerocopy.Pool)
@@ -220,6 +226,8 @@ class Loader:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self):
+        if self._pid != os.getpid():
+            self._in_forked_child()
         # One epoch at a time: a new iteration ends the previous one.
         previous = self._active() if self._active is not None else None
         if previous is not None:
@@ -231,6 +239,27 @@ class Loader:
         self._active = weakref.ref(epoch)
         self._producer = weakref.ref(epoch.producer)
         return epoch
+
+    def _in_forked_child(self) -> None:
+        """First iter() in a process forked from the one that made this Loader
+        (os.fork, a 'fork' multiprocessing.Process): the parent's epoch threads
+        do not exist here (nor may its locks be taken: one may have been held
+        at fork), and zero-copy's shared arena is the parent's, registered in
+        the parent's CUDA context, its blocks adopted there only. So this
+        process's epochs start afresh and take the copy path, with workers of
+        their own (the DataLoader's own collate_fn); the parent's Loader is
+        untouched."""
+        self._pid = os.getpid()
+        self._active = self._producer = None
+        self._stats = _modes.Stats()
+        if self.zero_copy:
+            log.info("fastpin.Loader: iterated in a process forked from the one that made it; "
+                     "zero-copy's shared arena is that process's, so this one's batches take "
+                     "the copy path (make a Loader here for zero-copy in this process)")
+            self._pool = self._arena = None
+            self._source = _own_workers(self.loader)
+            self.zero_copy = False
+            self._mode = _modes.choose(self.device, False)
 
     def state_dict(self) -> dict:
         """The wrapped loader's state (torchdata's StatefulDataLoader, say). Batches
@@ -320,6 +349,11 @@ class _Producer:
             previous.wait()
             previous = None
         self.source = iter(source)
+        # Whether the source's batches come from worker processes: a thread
+        # inside it then only waits on their queues (see waits_on_workers).
+        self.worker_backed = _worker_backed(self.source)
+        if self.worker_backed:
+            _workers_first_to_go(self.source)
         # Another iterator over the same dataset, run in this process by a
         # previous epoch's thread that is still inside it (0 workers, a plain
         # iterable): this thread waits for it to leave before reading the source,
@@ -343,6 +377,7 @@ class _Producer:
                     self.previous.thread.join(_POLL)
                 self.previous = None
             while True:
+                self.hold_back()
                 self.in_source = True
                 if self.stop.is_set():
                     return
@@ -380,6 +415,24 @@ class _Producer:
                 self.ended = True
                 if not process.exiting:
                     mode.end()
+
+    def hold_back(self) -> None:
+        """Under a cgroup memory limit that leaves less than two batches of room
+        (_runtime.memory_room), take no batch ahead of the consumer: each one
+        queued is held here on top of what the source holds, and a process that
+        holds more than its workers is the one the kernel kills, without a word,
+        where the DataLoader alone would lose a worker and raise."""
+        stats = self.stats
+        while not self.stop.is_set() and not self.queue.empty():
+            room = memory_room()
+            if room is None or (stats.batches and room >= 2 * stats.bytes // stats.batches):
+                return
+            time.sleep(_POLL / 10)
+
+    def waits_on_workers(self) -> bool:
+        """Inside a source whose batches come from worker processes: the
+        thread only waits on their queues there, for as long as they take."""
+        return self.in_source and self.worker_backed
 
     def park(self) -> None:
         """The interpreter is exiting: block here for good, holding every
@@ -470,6 +523,30 @@ def _worker_backed(source) -> bool:
     """A DataLoader iterator with worker processes: a thread inside its next()
     only waits on its queues, and reads no dataset in this process."""
     return hasattr(source, "_shutdown_workers")
+
+
+# Added to a DataLoader worker's oom_score_adj under a cgroup memory limit
+# (the kernel's scale: -1000 never, +1000 first).
+_WORKER_OOM_ADJ = 500
+
+
+def _workers_first_to_go(source) -> None:
+    """Under a cgroup memory limit, make the DataLoader iterator's workers the
+    kernel's first choice when the cgroup runs out (raising a process's
+    oom_score_adj needs no privilege). The Loader's process holds the batches
+    it prepares ahead, the copies and the arena, so it is the largest, and the
+    kernel would kill it without a word; a killed worker is what the
+    DataLoader alone would lose, and its iterator then raises, saying so."""
+    if memory_room() is None:
+        return
+    for worker in getattr(source, "_workers", ()):
+        try:
+            with open(f"/proc/{worker.pid}/oom_score_adj", "r+") as f:
+                now = int(f.read().strip() or 0)
+                f.seek(0)
+                f.write(str(min(now + _WORKER_OOM_ADJ, 1000)))
+        except (OSError, ValueError, AttributeError):
+            pass  # gone already, or /proc refused: the kernel chooses as before
 
 
 def _shutdown_workers(source) -> None:

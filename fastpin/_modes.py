@@ -27,6 +27,7 @@ import numpy as np
 from . import _C, _leaves
 from ._arena import as_core_arena, cuda_available, default_arena, policy
 from ._pin import pin_memory
+from ._runtime import cgroup_memory_limit, first, memory_room
 from ._walk import map_leaves
 from ._walk import nbytes as batch_nbytes
 
@@ -167,6 +168,9 @@ class PinHost(PassThrough):
         """pin_memory into the staging arena. A batch it pins the ordinary way
         (the arena full, or the batch over its cap) is a fallback, counted
         here unless its worker's fallback was (zero-copy)."""
+        if _no_memory_for(batch):
+            self.stats.fallback()
+            return batch  # unpinned: a copy would take what the cgroup does not have
         arena = self.staging.arena()
         stream = self.consumer_stream
         if self.counted or policy()["on_full"] != "fallback":
@@ -176,6 +180,28 @@ class PinHost(PassThrough):
         except _C.ArenaFullError:
             self.stats.fallback()
             return pin_memory(batch, arena=arena, stream=stream, on_full="fallback")
+
+
+def _no_memory_for(batch) -> bool:
+    """Whether a copy of `batch` would take more than its cgroup's memory limit
+    leaves (_runtime.memory_room; never where no limit binds): the batch then
+    goes on unpinned, as it came, rather than have the kernel kill the process
+    without a word. Said once."""
+    room = memory_room()
+    if room is None:
+        return False
+    nbytes = batch_nbytes(batch)
+    if nbytes <= room:
+        return False
+    if first("copy: cgroup"):
+        log.warning("fastpin.Loader: a copy of this %d-byte batch would take more than the "
+                    "%d bytes its cgroup's memory limit of %d bytes leaves (after an eighth kept "
+                    "free), and the kernel would kill the process: such batches are handed over "
+                    "unpinned, as the source made them (counted in stats()['fallbacks']). Give "
+                    "the job more memory, or hold fewer batches at once (the DataLoader's "
+                    "num_workers x prefetch_factor, the Loader's depth)",
+                    nbytes, room, cgroup_memory_limit())
+    return True
 
 
 class _Staging:
@@ -381,7 +407,9 @@ class Adopt:
         ahead = _zerocopy.batches_ahead(self.loader)
         need = _zerocopy.capacity_for(self.loader, nbytes, self.depth)
         pool = self.pool
-        if pool.fixed:
+        if _zerocopy.advice_for(pool):
+            advice = _zerocopy.advice_for(pool)
+        elif pool.fixed:
             advice = f"for this DataLoader give it capacity={need} ({need / 1e6:.0f} MB) or more."
         elif pool.capacity < need:
             advice = (f"it sizes itself, up to max_capacity={pool.cap} bytes (or "

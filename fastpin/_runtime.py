@@ -30,6 +30,7 @@ import numbers
 import operator
 import os
 import threading
+import time
 import weakref
 from typing import Any, Optional
 
@@ -261,6 +262,191 @@ def cuda_available() -> bool:
     if ready is None:
         ready = process.cuda_ready = _C.cuda_status()["state"] == "ready"
     return ready
+
+
+# ---- the memory this process may use --------------------------------------------------
+#
+# A job's limit is rarely at the root of the cgroup mount: Slurm, systemd and
+# container runtimes put each job in a cgroup nested below it, and the limit
+# on any cgroup above the process's own bounds it too. So the limit is read at
+# the process's own cgroup (/proc/self/cgroup, located under its mount by
+# /proc/self/mountinfo) and at every cgroup above it, and the tightest wins.
+
+# Per cgroup version: the files that bound the memory of the cgroup's
+# processes. memory.high is a throttle rather than a kill, but a process kept
+# above it is reclaimed from nonstop, and page-locked memory cannot be.
+_LIMIT_FILES = {"cgroup2": ("memory.max", "memory.high"), "cgroup": ("memory.limit_in_bytes",)}
+
+
+def _unescape(field: str) -> str:
+    """A path as mountinfo writes it: space, tab, newline and backslash octal-escaped."""
+    return field.replace("\\040", " ").replace("\\011", "\t").replace(
+        "\\012", "\n").replace("\\134", "\\")
+
+
+def _memory_mounts(mountinfo: str) -> list:
+    """(fs type, the cgroup path mounted, mount point) of every cgroup2 mount
+    and every cgroup v1 mount of the memory controller in `mountinfo`."""
+    mounts = []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        dash = fields.index("-", 6)
+        fstype, options = fields[dash + 1], fields[dash + 3] if len(fields) > dash + 3 else ""
+        if fstype == "cgroup2" or (fstype == "cgroup" and "memory" in options.split(",")):
+            mounts.append((fstype, _unescape(fields[3]), _unescape(fields[4])))
+    return mounts
+
+
+def _own_cgroups(cgroup: str) -> dict:
+    """The process's cgroup path in each hierarchy that can hold a memory limit
+    ("cgroup2": the unified one, "cgroup": v1's memory controller), from
+    /proc/self/cgroup's lines (hierarchy id:controllers:path)."""
+    own = {}
+    for line in cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            own["cgroup2"] = path
+        elif "memory" in controllers.split(","):
+            own["cgroup"] = path
+    return own
+
+
+def _read_limit(path: str) -> Optional[int]:
+    """A limit file's bytes; None where it is missing, unreadable or says "max"."""
+    try:
+        with open(path) as f:
+            value = f.read().strip()
+    except OSError:
+        return None
+    return int(value) if value.isdigit() else None
+
+
+def _limited_up(mount_point: str, relative: str, files: tuple) -> list:
+    """(directory, limit) for each limit set in `files` of cgroup `relative` (a
+    path below the mount) and of every cgroup above it, up to the mount's root."""
+    parts = [p for p in relative.split("/") if p and p != "."]
+    if ".." in parts:
+        parts = []  # outside the mounted part of the tree: only its root is known
+    limits = []
+    for depth in range(len(parts), -1, -1):
+        directory = os.path.join(mount_point, *parts[:depth])
+        for name in files:
+            value = _read_limit(os.path.join(directory, name))
+            if value is not None:
+                limits.append((directory, value))
+    return limits
+
+
+def _cgroup_limits(root: str) -> list:
+    """(fs type, directory, limit) of every memory limit set on this process's
+    own cgroup and those above it, in either hierarchy. `root`: where /proc
+    and the cgroup mounts are found (a fake tree, in tests)."""
+    def read(path: str) -> str:
+        try:
+            with open(os.path.join(root, path.lstrip("/"))) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    own = _own_cgroups(read("/proc/self/cgroup"))
+    limits = []
+    for fstype, mounted, point in _memory_mounts(read("/proc/self/mountinfo")):
+        path = own.get(fstype)
+        if path is None:
+            continue
+        # A mount shows the tree from `mounted` down (a container's own
+        # cgroup, say); the process's path is relative to the tree's root.
+        if mounted != "/" and (path == mounted or path.startswith(mounted.rstrip("/") + "/")):
+            path = path[len(mounted.rstrip("/")):]
+        elif mounted != "/":
+            path = "/.."  # not below the mounted part: only the mount's root is known
+        limits += [(fstype, directory, limit) for directory, limit in
+                   _limited_up(os.path.join(root, point.lstrip("/")), path, _LIMIT_FILES[fstype])]
+    return limits
+
+
+def cgroup_memory_limit(root: str = "/") -> Optional[int]:
+    """The tightest memory limit (bytes) on this process's own cgroup and every
+    cgroup above it, in the unified hierarchy (memory.max, memory.high) and in
+    v1's memory controller (memory.limit_in_bytes); None where none is set or
+    none can be read. `root`: where /proc and the cgroup mounts are found (a
+    fake tree, in tests)."""
+    limits = [limit for _, _, limit in _cgroup_limits(root)]
+    return min(limits) if limits else None
+
+
+def memory_bytes(root: str = "/") -> int:
+    """The memory this process may use: the machine's, or the tightest limit of
+    its cgroups (cgroup_memory_limit) where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = cgroup_memory_limit(root)
+    return total if limit is None else min(total, limit)
+
+
+def _working_set(fstype: str, directory: str) -> Optional[int]:
+    """The memory charged to a cgroup that the kernel cannot simply drop: its
+    usage less the file pages it may reclaim first (as container runtimes
+    count it)."""
+    usage = _read_limit(os.path.join(directory, "memory.current" if fstype == "cgroup2"
+                                     else "memory.usage_in_bytes"))
+    if usage is None:
+        return None
+    key = "inactive_file" if fstype == "cgroup2" else "total_inactive_file"
+    try:
+        with open(os.path.join(directory, "memory.stat")) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return max(usage - int(value), 0)
+    except (OSError, ValueError):
+        pass
+    return usage
+
+
+# The share of a cgroup's limit that fastpin leaves to others when it sizes
+# memory of its own (an arena's new segment): the job's other processes, the
+# DataLoader workers' batches still on their way, the kernel's own.
+_RESERVE = 8
+
+
+def _binding_limits(root: str) -> list:
+    """_cgroup_limits(root) less those the machine's memory could not reach
+    (v1 writes "no limit" as a huge number), remembered for a second in this
+    process: asked for every batch, and a job's limits rarely change."""
+    key = (root, os.getpid())
+    now = time.monotonic()
+    cached = _limits_cache.get(key)
+    if cached is not None and now - cached[0] < 1.0:
+        return cached[1]
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = [entry for entry in _cgroup_limits(root) if entry[2] < total]
+    _limits_cache.clear()
+    _limits_cache[key] = (now, limits)
+    return limits
+
+
+_limits_cache: dict = {}
+
+
+def memory_room(root: str = "/") -> Optional[int]:
+    """The bytes this process may still take without its cgroup (or one above
+    it) coming within an eighth of its limit; None where no limit binds (the
+    machine's memory is then the only bound, and caps already take a share of
+    it). fastpin takes memory of its own (an arena's segment, a batch's copy)
+    only within it: past a limit the kernel kills a process without a word."""
+    room = None
+    for fstype, directory, limit in _binding_limits(root):
+        used = _working_set(fstype, directory)
+        if used is None:
+            continue
+        left = max(limit - limit // _RESERVE - used, 0)
+        room = left if room is None else min(room, left)
+    return room
 
 
 # ---- counters and warnings -----------------------------------------------------------

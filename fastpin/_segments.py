@@ -25,7 +25,7 @@ import weakref
 from typing import Callable, Optional
 
 from . import _C, _numa
-from ._runtime import process, zero_copy_max_bytes
+from ._runtime import cgroup_memory_limit, memory_bytes, memory_room, process, zero_copy_max_bytes
 
 log = logging.getLogger("fastpin")
 
@@ -177,6 +177,10 @@ class _Directory:
         else:
             # Before this worker has a segment to count in; racy, so a lower bound.
             _set_word(self.map, _DIR_FALLBACKS, _word(self.map, _DIR_FALLBACKS) + 1)
+        try:
+            os.eventfd_write(self.wake, 1)  # the main process says so (Pool.tell_fallbacks)
+        except OSError:
+            pass
 
 
 _directories = process.directories   # pool id -> _Directory, in workers
@@ -224,17 +228,9 @@ _GiB = 1 << 30
 
 
 def _memory_bytes() -> int:
-    """The memory this process may use: the machine's, or its cgroup's limit."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                value = f.read().strip()
-        except OSError:
-            continue
-        if value.isdigit():
-            total = min(total, int(value))
-    return total
+    """The memory this process may use: the machine's, or the tightest limit
+    of its own cgroup and those above it (_runtime.memory_bytes)."""
+    return memory_bytes()
 
 
 def default_cap(registered: bool) -> int:
@@ -312,6 +308,10 @@ class Pool:
         self.directory = None
         self.cap = cap
         self.capped = False
+        self.refused: Optional[str] = None  # why the driver refused a segment (no more growth)
+        self.tight: Optional[str] = None    # why the cgroup left no room for one
+        self.warn_fallbacks = False  # install(): warn once of the first fallback (tell_fallbacks)
+        self.warned = False
         self.lock = threading.Lock()
         if arena is None and capacity is not None:
             arena = make(capacity)
@@ -361,15 +361,29 @@ class Pool:
             if add < wanted:   # no room for even one more such block under the cap
                 add = wanted if have + wanted <= self.cap else 0
             add = min(-(-add // (2 * _MiB)) * 2 * _MiB, self.cap - have) if add else 0
+            # Within what the cgroup's limit leaves: registered, a segment is
+            # resident at once, and past the limit the kernel kills a process
+            # without a word. The next request looks again.
+            room = memory_room()
+            if room is not None and add > room:
+                add = room // (2 * _MiB) * 2 * _MiB
+                if add < wanted:
+                    self.tight = (f"its cgroup's memory limit of {cgroup_memory_limit()} bytes "
+                                  f"leaves {room} bytes (after an eighth kept free)")
+                    _set_word(view, _DIR_SERVED, wanted)  # no room now: workers fall back
+                    log.debug("fastpin: shared arena not grown for blocks of %d bytes: its "
+                              "cgroup's memory limit leaves %d bytes", wanted, room)
+                    return
             if add < wanted or len(self.segments) >= _MAX_SEGMENTS:
                 self._cap_reached()
                 return
             try:
                 arena = self.make(add)
             except (_C.FastpinError, OSError) as e:
+                self.refused = str(e)
                 log.warning("fastpin zero-copy: could not add %d bytes to the shared "
                             "arena (%s); it stays at %d bytes, and batches that do not fit are "
-                            "pinned by copy", add, str(e), have)
+                            "pinned by copy. %s", add, self.refused, have, REFUSED_ADVICE)
                 self._cap_reached()
                 return
             self._add(arena)
@@ -384,6 +398,33 @@ class Pool:
             _set_word(view, _DIR_SERVED, wanted)
             log.debug("fastpin: shared arena grown by %d bytes to %d for blocks of %d bytes",
                       add, have + add, wanted)
+
+    def tell_fallbacks(self) -> None:
+        """Once per pool that asks for it (install()'s: a Loader's warns on its
+        own, Adopt.warn_full): the first batch a worker could not place, with
+        the pool's size, what holds it and what to change."""
+        if not self.warn_fallbacks or self.warned:
+            return
+        s = self.stats()
+        if not s or not s["fallbacks"]:
+            return
+        self.warned = True
+        if self.refused or self.tight:
+            fix = advice_for(self)
+        elif self.capped or self.capacity >= self.cap:
+            fix = (f"it grows no further than its cap of {self.cap} bytes: raise it with "
+                   "FASTPIN_ZERO_COPY_MAX_BYTES, or keep fewer batches alive")
+        else:
+            fix = ("it is sized for the batches in flight: keep fewer batches alive (each "
+                   "one held keeps its block), or raise FASTPIN_ZERO_COPY_MAX_BYTES so that "
+                   "it may grow past them")
+        log.warning(
+            "fastpin.install(): a DataLoader worker found the shared pool full (%d bytes in "
+            "%d segments, %d held by batches alive or in flight: the workers' "
+            "num_workers x prefetch_factor, the pin thread's and those the loop keeps) and "
+            "collated a batch the ordinary way (through /dev/shm, pinned by copy; counted in "
+            "fastpin.stats()['fallbacks']); %s", self.capacity, len(self.segments),
+            s.get("bytes_in_use", 0), fix)
 
     def _cap_reached(self) -> None:
         self.capped = True
@@ -414,6 +455,37 @@ class Pool:
         return out
 
 
+# What helps when the driver refuses to page-lock more memory: a larger cap
+# would not. Its usual cause is the locked-memory limit; else the machine's memory.
+REFUSED_ADVICE = ("Raise the locked-memory limit (ulimit -l, RLIMIT_MEMLOCK; a container's "
+                  "--ulimit memlock=-1), or free memory on the machine")
+TIGHT_ADVICE = ("Give the job more memory, or hold fewer batches at once (the DataLoader's "
+                "num_workers x prefetch_factor, the Loader's depth, the batches the loop keeps)")
+
+
+def advice_for(pool) -> str:
+    """Why a pool that cannot grow cannot, and what would help (for warnings
+    about its fallbacks), or "" where it simply reached its cap."""
+    if pool.refused:
+        return f"the driver refused to page-lock more ({pool.refused}). {REFUSED_ADVICE}"
+    if pool.tight:
+        return f"{pool.tight}. {TIGHT_ADVICE}"
+    return ""
+
+
+def fallbacks() -> int:
+    """The batches workers could not place in the self-sizing pools this
+    process made and still holds (install()'s and the Loaders'), for
+    fastpin.stats(); a forked child's copies of its parent's are not its own."""
+    pid = os.getpid()
+    total = 0
+    for pool in list(_pools.values()):
+        if pool.creator == pid:
+            s = pool.stats()
+            total += s["fallbacks"] if s else 0
+    return total
+
+
 def _grower(pool_ref, view, dir_fd: int, wake: int) -> None:
     """The thread that adds segments when workers ask; it holds the pool only
     while it grows it, and closes the directory once the pool's finalizer has
@@ -437,6 +509,7 @@ def _grower(pool_ref, view, dir_fd: int, wake: int) -> None:
             try:
                 pool.collect()  # the fences workers may be waiting on (wait_for_frees)
                 pool.grow()
+                pool.tell_fallbacks()
             except Exception:  # noqa: BLE001 - never crash; workers time out and fall back
                 log.exception("fastpin: growing the shared arena failed")
             finally:

@@ -56,6 +56,7 @@ from ._segments import (  # noqa: F401 - the names the Loader, the bench and tes
     _memory_bytes,
     _pools,
     _registry,
+    advice_for,
     batches_ahead,
     capacity_for,
     default_cap,
