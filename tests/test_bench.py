@@ -468,3 +468,84 @@ def test_module_entry_point_with_plain_progress(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "## recommendation batch" in proc.stdout and "| fastpin.pin_memory |" in proc.stdout
     assert "recsys: pageable .to()" in proc.stderr and "/" in proc.stderr
+
+
+# ---- the method: warm-up drains the prefetch, timing covers the steady state ----------
+
+class Burst:
+    """A source shaped like a DataLoader with workers (num_workers, prefetch_factor):
+    the first batch and the num_workers x prefetch_factor the workers made meanwhile
+    come at once, then one every `interval` seconds, the workers' steady rate.
+    Batch i is patterned by i and carries i."""
+
+    def __init__(self, num_workers=3, prefetch_factor=2, interval=0.003, n=400):
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.interval, self.n = interval, n
+
+    @property
+    def burst(self) -> int:
+        return 1 + self.num_workers * self.prefetch_factor
+
+    def __iter__(self):
+        for i in range(self.n):
+            if i >= self.burst:
+                time.sleep(self.interval)
+            yield {"x": patterned((256,), torch.float32, i), "i": torch.tensor([i])}
+
+
+class Indices:
+    """A step that records which batch it was given, in order."""
+
+    def __init__(self):
+        self.seen: list = []
+
+    def __call__(self, batch):
+        self.seen.append(int(batch["i"][0]))
+
+
+@pytest.mark.parametrize("path", ["pageable", "loader_host"])
+def test_prefetched_batches_are_never_timed(path):
+    """Bug: the quick run on the H200 timed 2-4 batches after 1 warm-up while 15
+    workers had 30 in flight: stock pin_memory=True read 36.2 GB/s (its steady
+    state: 2-3). The warm-up takes every batch the workers had prefetched before
+    timing starts, whatever warm-up was asked for."""
+    source = Burst()
+    step = Indices()
+    res = bench.compare(lambda pin_memory: source, paths=[path], batches=10, warmup=0,
+                        device=None, step=step, progress=False)
+    row = res[path]
+    assert row.ok, row.reason
+    timed = step.seen[-row.batches:]
+    assert step.seen == list(range(len(step.seen)))    # every batch, in order
+    assert row.batches >= 10 and timed == step.seen[len(step.seen) - row.batches:]
+    # Not one of the burst: only batches that came at the steady rate were timed.
+    assert min(timed) >= source.burst, (source.burst, timed[:5])
+
+
+def test_timing_covers_the_batches_and_the_seconds_asked_for():
+    """A path times at least `batches` batches and at least `min_seconds`: 5 batches
+    of a source giving one every 3 ms last 15 ms, so it goes on to 0.1 s."""
+    source = Burst(num_workers=1, prefetch_factor=1)
+    res = bench.compare(lambda pin_memory: source, paths=["pageable"], batches=5, warmup=0,
+                        min_seconds=0.1, device=None, progress=False)
+    row = res["pageable"]
+    assert row.ok and not row.reason, row.reason
+    assert row.batches > 5 and row.batches * row.step_ms >= 100
+    assert row.warmup == source.num_workers * source.prefetch_factor + 2  # and the depth
+    assert res.min_seconds == 0.1
+    # The suite's own rule: at least 20 batches and a second.
+    assert (bench.runner.MIN_TIMED, bench.runner.MIN_SECONDS) == (20, 1.0)
+
+
+def test_running_out_says_how_many_batches_it_needed_and_had():
+    """Bug: compare() on the README's 256-sample dataset (one batch of 256) failed
+    every path with "ran out during warm-up", not saying how many it needed."""
+    def one_batch(pin_memory):
+        return DataLoader(Samples(), batch_size=N, num_workers=0, pin_memory=pin_memory)
+
+    res = bench.compare(one_batch, paths=["pageable"], batches=100, warmup=3, device=None,
+                        progress=False)
+    row = res["pageable"]
+    assert row.status == "failed"
+    assert row.reason == ("the loader ran out during warm-up: it gave 1 batch; the path needs "
+                          "1 + 3 untimed and at least 100 timed (104 in all)")
