@@ -361,3 +361,43 @@ def test_make_help_names_every_variable():
     variables = out[out.index("Variables:"):]
     missing = [v for v in sorted(given | read) if f"{v}=" not in variables]
     assert not missing, missing
+
+
+# ---- --json and --plot: checked before anything runs ----------------------------------
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_output_into_a_missing_folder_fails_at_once(option, tmp_path, capsys, monkeypatch):
+    """Bug: --json/--plot into a folder that does not exist ended in a traceback
+    after the whole run."""
+    ran = []
+    monkeypatch.setattr(bench.SUITE["tokens"].__class__, "run",
+                        lambda self, *a: ran.append(self.name))
+    target = tmp_path / "no-such-folder" / "run.out"
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--case", "tokens", option, str(target), "--no-progress"])
+    assert exc.value.code == 2 and ran == []
+    err = capsys.readouterr().err
+    assert f"error: {option} {target}: no folder {target.parent}" in err
+    assert "Traceback" not in err
+
+
+# ---- the report where there is no GPU -----------------------------------------------
+
+@no_gpu
+def test_without_a_gpu_one_line_says_so_and_the_gpu_paths_are_left_out(capsys):
+    """Bug: on a machine without a GPU the report was 160 lines: the driver's message
+    printed 27 times, once per skipped row, a first table of 12 columns, lines up
+    to 391 characters."""
+    rc = bench.main(["--quick", "--case", "tokens", "--case", "pin_sizes", "--sizes", "1",
+                     "--workers", "0", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    reason = fastpin.cuda_status().reason
+    assert out.count(reason) == 1 and f"No GPU: {reason}" in out
+    for path, info in bench.PATHS.items():
+        if info.needs_gpu or info.needs_cuda_target:
+            assert f"| {info.label} |" not in out, path
+    assert "skipped" not in out and "warning" not in out
+    assert out.index("# Summary") < out.index("# Details")
+    long = [ln for ln in out.splitlines() if len(ln) > 110]
+    assert not long, long

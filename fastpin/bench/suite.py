@@ -32,10 +32,11 @@ def report(suite: dict) -> str:
 
 
 def header(info: dict, command: Optional[str] = None) -> str:
+    date = f", {info['date']}" if info.get("date") else ""
     lines = [f"fastpin {info['fastpin']}, torch {info['torch']}, Python {info['python']}, "
-             f"{info['cpus']} CPUs, GPU: {info.get('gpu', 'none')}"]
+             f"{info['cpus']} CPUs, GPU: {info.get('gpu', 'none')}{date}"]
     if command:
-        lines.append(f"`{command}`, {info.get('date', '')}".rstrip(", "))
+        lines.append(f"`{command}`")
     if info["cuda"]["state"] != "ready":
         lines.append(f"No GPU: {info['cuda']['reason']}")
     return "\n".join(lines)
