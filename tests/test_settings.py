@@ -488,7 +488,8 @@ def test_disable_cuda_means_what_the_flag_says(word, disabled):
     Python layer does (it once took every word but "0" as "disable")."""
     full = dict(os.environ, FASTPIN_DISABLE_CUDA=word,
                 PYTHONPATH=FASTPIN_HOME + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", "import fastpin; print(fastpin.cuda_status().reason)"],
+    r = subprocess.run([sys.executable, "-c",
+                        "import fastpin; print(fastpin.cuda_status().reason)"],
                        cwd=tempfile.gettempdir(), env=full, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr

@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import sys
+import textwrap
 from typing import Optional, Sequence
 
 from fastpin import _C, _torch
@@ -19,7 +20,7 @@ from .host import MB, machine
 from .paths import PATHS, gpu_usable, target_of, why_not
 from .plots import MATPLOTLIB, plot
 from .progress import Progress
-from .results import MIN_SECONDS, MIN_TIMED
+from .results import MIN_SECONDS, MIN_TIMED, WIDTH
 from .suite import failed, report, save
 
 log = logging.getLogger("fastpin.bench")
@@ -82,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                              "all: every case)")
     parser.add_argument("--path", action="append", choices=tuple(PATHS),
                         help="a path to run in the workload cases (repeatable; default: every "
-                             "path that can run here)")
+                             "path that can run here, but fastpin_pin and loader_host where "
+                             "batches go to a GPU)")
     parser.add_argument("--workers", type=_number(int, 0), nargs="+",
                         help="DataLoader workers (default: one per core but one, N; "
                              "loader_images: N, and 8 too where N > 8; train_model: N, at "
@@ -130,13 +132,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _listed(name: str, what: str) -> str:
+    return textwrap.fill(what, WIDTH, initial_indent=f"  {name:14s}", subsequent_indent=" " * 16,
+                         break_on_hyphens=False)
+
+
 def _list() -> int:
     _out("cases:")
     for case in SUITE.values():
-        _out(f"  {case.name:14s}{case.what}")
+        _out(_listed(case.name, case.what))
     _out("paths:")
     for p in PATHS.values():
-        _out(f"  {p.name:14s}{p.what}")
+        _out(_listed(p.name, p.what))
     return 0
 
 
@@ -173,15 +180,22 @@ def _cases(args: argparse.Namespace, gpu: bool) -> list:
 
 
 def _paths(args: argparse.Namespace, target, host_reason: str) -> list:
-    """The workload cases' paths: those --path names, else every path that can run
-    here (--quick: the stock path and the summary's); a named path that cannot is
-    left out of the tables, and the report says why."""
+    """The workload cases' paths: those --path names, else those that can run here:
+    on the host every one; delivering to a GPU the stock path, pageable and the
+    summary's (fastpin's host-pinning paths, fastpin_pin and loader_host, when
+    named: a default run fits in a few minutes); --quick: the stock path and the
+    summary's. A named path that cannot run is left out of the tables, and the
+    report says why."""
     if args.path:
         return [p for p in PATHS if p in args.path]
     stock = "pin_memory" if target is not None else "pageable"
-    return [p for p, info in PATHS.items()
-            if why_not(p, target, host_reason) is None
-            and (not args.quick or p == stock or info.in_summary)]
+
+    def wanted(p: str) -> bool:
+        if p == stock or PATHS[p].in_summary:
+            return True
+        return not args.quick and (target is None or p == "pageable")
+
+    return [p for p in PATHS if why_not(p, target, host_reason) is None and wanted(p)]
 
 
 def _plan(args: argparse.Namespace) -> Plan:

@@ -100,7 +100,8 @@ class WorkloadCase:
 
     @property
     def what(self) -> str:
-        return f"{self.w.title} ({self.w.batch_bytes / MB:.3g} MiB a batch): every path"
+        return (f"{self.w.title} ({self.w.batch_bytes / MB:.3g} MiB a batch): every path that "
+                "applies")
 
     def steps(self, plan: Plan) -> int:
         runnable = [p for p in plan.paths if why_not(p, plan.target, plan.host_reason) is None]

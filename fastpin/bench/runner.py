@@ -22,7 +22,6 @@ from .results import MIN_SECONDS, MIN_TIMED, Results, Row, few_warning, too_few
 log = logging.getLogger("fastpin.bench")
 
 
-
 def enough(n: int, elapsed: float, batches: int, min_seconds: float,
            max_seconds: Optional[float]) -> bool:
     """Timing may stop: `batches` batches and `min_seconds` timed; or, past a time
@@ -102,7 +101,6 @@ class _Timed:
     n: int
     nbytes: int
     largest: int
-    start: float         # perf_counter() when timing began
     wall: float
     cpu: float           # this process
     workers_cpu: float   # its child processes
@@ -178,7 +176,7 @@ def _time_batches(row: Row, feed: Any, run: PathRun, step: Optional[Callable], b
         raise _RanOut(f"the loader ran out after the warm-up: it gave "
                       f"{_batches(1 + row.warmup)}; the path needs 1 + {row.warmup} untimed and "
                       f"at least {batches} timed ({1 + row.warmup + batches} in all)")
-    return _Timed(n, nbytes, largest, t1, wall, cpu, children_cpu(w1), ran_out)
+    return _Timed(n, nbytes, largest, wall, cpu, children_cpu(w1), ran_out)
 
 
 def _figures(row: Row, t: _Timed, batches: int) -> None:
