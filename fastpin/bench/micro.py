@@ -306,16 +306,16 @@ def format_loader_table(result: dict) -> str:
     where = ("to the GPU" if result["gpu"] else
              "to host batches (no GPU here: nothing is page-locked, and torch cannot pin, so "
              "the stock DataLoader ran with pin_memory=False)")
-    budget = (f" (or fewer, once {result['max_seconds']:g} s had passed)"
-              if result.get("max_seconds") else "")
+    budget = f" (up to {result['max_seconds']:g} s)" if result.get("max_seconds") else ""
     lines = [
         wrap(f"Delivered {where}, GB/s; main-process CPU ms per batch in brackets. At least "
              f"{result['batches']} batches and {MIN_SECONDS:g} s{budget} of "
              f"{result['batch_size']} images 3x224x224 timed per path, after those its workers "
-             "made ahead; random sampling."),
+             f"made ahead; random sampling. Loader: fastpin.Loader copying; x stock: zero-copy "
+             f"/ {stock}; fallbacks: batches zero-copy's workers collated the ordinary way."),
         "",
-        f"| dtype | workers | batch | {stock} | fastpin.Loader | fastpin.Loader(zero_copy) | "
-        f"zero-copy / {stock} | worker fallbacks |",
+        f"| dtype | workers | batch | {stock} | Loader | Loader(zero_copy) | x stock | "
+        "fallbacks |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
