@@ -401,3 +401,17 @@ def test_without_a_gpu_one_line_says_so_and_the_gpu_paths_are_left_out(capsys):
     assert out.index("# Summary") < out.index("# Details")
     long = [ln for ln in out.splitlines() if len(ln) > 110]
     assert not long, long
+
+
+def test_quick_shortens_the_lists_never_the_method():
+    """Bug: --quick timed 2-4 batches after 1 warm-up (and pin_sizes cells for 0.1 s):
+    a short run measured something else. It now leaves out cases, paths and sizes."""
+    from fastpin.bench import __main__ as cli
+
+    quick = cli._plan(cli._parser().parse_args(["--quick"]))
+    full = cli._plan(cli._parser().parse_args([]))
+    method = ("batches", "warmup", "seconds", "max_seconds", "compute_ms", "workers")
+    assert [getattr(quick, k) for k in method] == [getattr(full, k) for k in method]
+    assert set(quick.names) < set(full.names) and set(quick.paths) <= set(full.paths)
+    assert set(quick.sizes) < set(full.sizes)
+    assert full.batches == 20 and full.warmup == 3
