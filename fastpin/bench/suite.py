@@ -83,20 +83,20 @@ def _delivery_table(group: list, nw: int) -> str:
 
 
 def _training_table(train: dict) -> str:
-    """The training table's images/s, the summary's paths only."""
+    """The training table's images/s, the summary's paths only (the fractions of the
+    bound are in the details)."""
     paths = [p for p in train["paths"] if p in PATHS and (p == "pin_memory" or PATHS[p].in_summary)]
-    head = ("| training | workers | on the GPU | "
-            + " | ".join(PATHS[p].heading for p in paths) + " |")
-    lines = [wrap("Training resnet18 (train_model): images/s; in brackets, the fraction of "
-                  "the speed with the batch already on the GPU."), "",
-             head, "|---|---:|---:|" + "---:|" * len(paths)]
-    for r in train["rows"]:
-        cells = []
-        for p in paths:
-            v = r["paths"].get(p, {})
-            cells.append(f"{v['ips']:.0f} ({v['of_bound']:.2f})" if "ips" in v else "failed")
-        lines.append(f"| {r['dtype']} | {r['workers']} | {r['bound_ips']:.0f} | "
-                     + " | ".join(cells) + " |")
+    rows = train["rows"]
+    several = len({r["workers"] for r in rows}) > 1
+    workers = "" if several or not rows else f", {workers_label(rows[0]['workers'])}"
+    head = "| training | on the GPU | " + " | ".join(PATHS[p].heading for p in paths) + " |"
+    lines = [wrap(f"Training resnet18 (train_model){workers}: images/s, and with the batch "
+                  "already on the GPU."), "", head, "|---|---:|" + "---:|" * len(paths)]
+    for r in rows:
+        what = f"{r['dtype']}, {r['workers']}" if several else r["dtype"]
+        cells = [f"{r['paths'][p]['ips']:.0f}" if "ips" in r["paths"].get(p, {}) else "failed"
+                 for p in paths]
+        lines.append(f"| {what} | {r['bound_ips']:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

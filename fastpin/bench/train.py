@@ -231,30 +231,29 @@ def train_table(workers: Sequence[int] = (15,), steps: int = MIN_TIMED, warmup: 
 
 
 def format_train_table(result: dict) -> str:
-    """Markdown: one row per dtype and worker count, images/s (fraction of the bound)."""
-    paths = result["paths"]
+    """Markdown: one row per path (the upper bound first), one column per dtype and
+    worker count: images/s (fraction of the bound)."""
     least = f"at least {result['steps']} steps"
     if result.get("min_seconds"):
         least += f" and {result['min_seconds']:g} s"
+    rows = result["rows"]
     lines = [wrap(f"resnet18, bf16 autocast, channels_last, SGD; batch {result['batch_size']}; "
                   f"{least} timed per path, after at least {result['warmup']} untimed and the "
                   "batches its workers made ahead. Images/s, and in brackets the fraction of "
                   "the upper bound (the same steps with the batch already on the GPU)."),
              "",
-             "| dtype | workers | batch MB | upper bound | "
-             + " | ".join(_paths.PATHS[p].heading if p in _paths.PATHS else p for p in paths)
-             + " |",
-             "|---|---:|---:|---:|" + "---:|" * len(paths)]
-    for r in result["rows"]:
+             "| path | " + " | ".join(f"{r['dtype']} ({r['batch_mb']:.0f} MB), "
+                                      f"{r['workers']} workers" for r in rows) + " |",
+             "|---|" + "---:|" * len(rows),
+             "| upper bound | " + " | ".join(f"{r['bound_ips']:.0f}" for r in rows) + " |"]
+    for p in result["paths"]:
         cells = []
-        for p in paths:
+        for r in rows:
             v = r["paths"].get(p, {})
-            if "ips" in v:
-                cells.append(f"{v['ips']:.0f} ({v['of_bound']:.2f})")
-            else:
-                cells.append(f"failed: {v.get('error', 'not run')}")
-        lines.append(f"| {r['dtype']} | {r['workers']} | {r['batch_mb']:.1f} | "
-                     f"{r['bound_ips']:.0f} | " + " | ".join(cells) + " |")
+            cells.append(f"{v['ips']:.0f} ({v['of_bound']:.2f})" if "ips" in v
+                         else f"failed: {v.get('error', 'not run')}")
+        label = _paths.PATHS[p].label if p in _paths.PATHS else p
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
