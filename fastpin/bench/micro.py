@@ -404,7 +404,6 @@ def format_pin_table(result: dict) -> str:
                      "row's fastest memcpy of the same bytes: a copy this short timed threads "
                      "waiting for a core (a busy machine), not copying; --json keeps the figure.")
     if not gpu:
-        notes.append("No GPU: nothing is page-locked here, and torch cannot pin without an "
-                     "accelerator (its columns are left out); fastpin copies into ordinary "
-                     "memory.")
+        notes.append("Torch cannot pin without an accelerator (its columns are left out), and "
+                     "without a GPU fastpin copies into ordinary memory: nothing is page-locked.")
     return "\n".join(lines + [""] + [wrap(t) for t in notes])
