@@ -4,11 +4,13 @@
  * first time anyone asks, its entry points go into one table, and the outcome
  * (no driver / no device / ready) is remembered with the reason, so the
  * package builds and runs on machines with no GPU. */
+#include <ctype.h>
 #include <dlfcn.h>
 #include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include "fastpin.h"
 
 fp_cuda_t fp_cuda;
@@ -27,10 +29,31 @@ static int fp_cuda_count_devices(void)
     return FP_OK;
 }
 
+/* FASTPIN_DISABLE_CUDA is a flag, read as every FASTPIN_* flag is (the Python
+ * layer refuses other words at import): unset, empty, 0, false, no or off, in
+ * any case and with spaces around it, leave CUDA on; any other word turns it off. */
+static int fp_cuda_disabled(void)
+{
+    static const char *const off[] = {"0", "false", "no", "off"};
+    const char *value = getenv("FASTPIN_DISABLE_CUDA");
+    if (!value)
+        return 0;
+    while (isspace((unsigned char)*value))
+        value++;
+    size_t n = strlen(value);
+    while (n && isspace((unsigned char)value[n - 1]))
+        n--;
+    if (n == 0)
+        return 0;
+    for (size_t i = 0; i < sizeof off / sizeof off[0]; i++)
+        if (strlen(off[i]) == n && strncasecmp(value, off[i], n) == 0)
+            return 0;
+    return 1;
+}
+
 static void fp_cuda_load_once(void)
 {
-    const char *disable = getenv("FASTPIN_DISABLE_CUDA");
-    if (disable && disable[0] && strcmp(disable, "0") != 0) {
+    if (fp_cuda_disabled()) {
         fp_cuda.state = FP_CUDA_NO_DRIVER;
         fp_cuda_set_reason("%s", "disabled by FASTPIN_DISABLE_CUDA");
         return;

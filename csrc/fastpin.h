@@ -180,7 +180,8 @@ typedef struct fp_cuda_s {
 extern fp_cuda_t fp_cuda;
 
 /* Loads the driver once (later calls return the remembered outcome).
- * FASTPIN_DISABLE_CUDA=1 in the environment forces FP_CUDA_NO_DRIVER. */
+ * FASTPIN_DISABLE_CUDA=1 (or true, yes, on) in the environment forces
+ * FP_CUDA_NO_DRIVER. */
 int fp_cuda_load(void);
 
 /* Turns a driver result into FP_ECUDA with "<what>: <name>: <driver text>". */

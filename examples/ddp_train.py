@@ -188,6 +188,12 @@ def main(argv=None) -> int:
                    help="also run DataLoader(pin_memory=True) + .to(non_blocking=True)")
     args = p.parse_args(argv)
 
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        # Run directly, not by torchrun: no rank to be. Say how, in one line.
+        print(f"{sys.argv[0]}: run it under torchrun, one process per rank: torchrun "
+              f"--nproc_per_node=2 examples/ddp_train.py{''.join(' ' + a for a in sys.argv[1:])}",
+              file=sys.stderr)
+        return 2
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if torch.cuda.is_available():

@@ -11,12 +11,13 @@ from . import _C, _numa, _segments
 from ._grow import GrowingArena
 from ._runtime import (
     MAX_CAPACITY,  # noqa: F401 - fastpin._arena.MAX_CAPACITY, as before
-    MAX_THREADS,
-    ON_FULL,
+    ON_FULL,  # noqa: F401 - _pin imports it from here
+    check_arena_bytes,
     check_bool,
-    check_capacity,
     check_int,
+    check_on_full,
     check_seconds,
+    check_threads,
     cuda_available,
     process,
     settings,
@@ -92,13 +93,18 @@ def configure(*, capacity: Union[int, str, None] = None, threads: Optional[int] 
     ArenaFullError (a batch bigger than the cap raises at once); "raise" raises
     ArenaFullError at once. allow_unpinned (default False, or
     FASTPIN_ALLOW_UNPINNED=1): when the driver refuses to page-lock the arena,
-    warn and go on with ordinary memory instead of raising."""
+    warn and go on with ordinary memory instead of raising.
+
+    An argument left out, or None, keeps its current setting (capacity="auto",
+    threads=0 and device="cuda" put back the defaults). Each FASTPIN_* variable
+    takes the same values as its argument (FASTPIN_ARENA_BYTES=auto,
+    FASTPIN_THREADS=0; a flag 1/0, true/false, yes/no or on/off)."""
     # Every value is checked before any is applied: a bad call changes nothing
-    # (the environment's first: it is what the others override).
+    # (the environment's first: it is what the others override). Each check is
+    # the one the setting's FASTPIN_* variable goes through (_runtime).
     settings.load()
-    if on_full is not None and on_full not in ON_FULL:
-        raise ValueError(f"on_full must be one of {', '.join(map(repr, ON_FULL))}, "
-                         f"not {on_full!r}")
+    if on_full is not None:
+        on_full = check_on_full(on_full)
     if wait_timeout is not None:
         wait_timeout = check_seconds("wait_timeout", wait_timeout)
     if allow_unpinned is not None:
@@ -106,12 +112,10 @@ def configure(*, capacity: Union[int, str, None] = None, threads: Optional[int] 
     if numa is not None:
         numa = check_bool("numa", numa)
     auto = isinstance(capacity, str) and capacity == "auto"
-    if capacity is not None and not auto:
-        capacity = check_capacity(capacity)
+    if capacity is not None:
+        capacity = check_arena_bytes(capacity)
     if threads is not None:
-        threads = check_int("threads", threads, 0, MAX_THREADS,
-                             f"0 (the default: the CPUs this process may use, at most 16) "
-                             f"to {MAX_THREADS}")
+        threads = check_threads(threads)
     index = _check_device(device) if device is not None else None
     if on_full is not None:
         settings.on_full = on_full
@@ -120,8 +124,8 @@ def configure(*, capacity: Union[int, str, None] = None, threads: Optional[int] 
     if allow_unpinned is not None:
         settings.allow_unpinned = allow_unpinned
     with process.lock:
-        if capacity is not None and (None if auto else capacity) != settings.capacity:
-            settings.capacity = None if auto else capacity
+        if (capacity is not None or auto) and capacity != settings.capacity:
+            settings.capacity = capacity
             _arenas.clear()
         if device is not None:
             settings.device = index

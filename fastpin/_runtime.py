@@ -25,6 +25,7 @@ registries are cleared in place, never replaced; locks are read from
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import operator
@@ -32,7 +33,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from . import _C
 
@@ -43,7 +44,20 @@ ON_FULL = ("fallback", "wait", "raise")
 CAPACITY_ALLOWED = f"a number of bytes from 1 to {MAX_CAPACITY} (2**43)"
 
 
-# ---- checks of a setting, where it is given ---------------------------------------
+# ---- the settings: one check each, for configure() and the environment alike ----------
+#
+# Each setting has one check, which takes the value as configure() is given it
+# and returns the setting (or raises TypeError/ValueError naming the setting and
+# what it may be). The environment's text goes through the setting's from_text
+# (an integer literal to an int, a flag's word to a bool) and then that same
+# check, so both take the same values.
+
+THREADS_ALLOWED = (f"a number of copy threads from 0 (the default: the CPUs this process may "
+                   f"use, at most 16) to {MAX_THREADS}")
+FLAG_ALLOWED = "1 or 0 (or true/false, yes/no, on/off)"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
 
 def check_int(name: str, value: Any, lo: int, hi: Optional[int], allowed: str) -> int:
     """`value` as an int in [lo, hi] (hi None: no bound); the error names the
@@ -65,6 +79,26 @@ def check_capacity(value: Any, name: str = "capacity") -> int:
     return check_int(name, value, 1, MAX_CAPACITY, CAPACITY_ALLOWED)
 
 
+def check_arena_bytes(value: Any) -> Optional[int]:
+    """configure(capacity=...) / FASTPIN_ARENA_BYTES: a cap in bytes, or "auto"
+    (None: the default arenas size themselves)."""
+    if isinstance(value, str) and value == "auto":
+        return None
+    return check_capacity(value)
+
+
+def check_threads(value: Any) -> int:
+    """configure(threads=...) / FASTPIN_THREADS: the copy pool's size, 0 its default."""
+    return check_int("threads", value, 0, MAX_THREADS, THREADS_ALLOWED)
+
+
+def check_on_full(value: Any) -> str:
+    if not isinstance(value, str) or value not in ON_FULL:
+        raise ValueError(f"on_full must be one of {', '.join(map(repr, ON_FULL))}, "
+                         f"not {value!r}")
+    return value
+
+
 def check_bool(name: str, value: Any) -> bool:
     if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
         return bool(value)
@@ -81,42 +115,74 @@ def check_seconds(name: str, value: Any) -> float:
     return seconds
 
 
-# ---- the environment -----------------------------------------------------------------
-
-def env_int(name: str, default: Optional[int], lo: int, hi: Optional[int],
-            allowed: str) -> Optional[int]:
-    """An integer environment variable, checked like the setting it names (hi
-    None: no bound)."""
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
+def int_text(text: str) -> Any:
+    """The environment's integer: an int where the text is one, else the text
+    (which the setting's check then refuses)."""
+    word = text.strip()
     try:
-        number = int(value.strip())
+        return int(word)
     except ValueError:
-        raise ValueError(f"{name}={value!r}: must be {allowed}") from None
-    if number < lo or (hi is not None and number > hi):
-        raise ValueError(f"{name}={value!r}: must be {allowed}")
-    return number
+        return word
 
 
-def env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    word = value.strip().lower()
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={value!r}: must be 1 or 0 (or true/false, yes/no, on/off)")
+def flag_text(text: str) -> Any:
+    """A flag's word, any case: True for 1/true/yes/on, False for 0/false/no/off,
+    else the text (which check_bool refuses)."""
+    word = text.strip().lower()
+    return True if word in _TRUE else False if word in _FALSE else text
 
 
-def env_choice(name: str, default: str, choices: tuple) -> str:
-    value = os.environ.get(name, default).strip() or default
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: must be one of {', '.join(choices)}")
-    return value
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """A setting read from the environment: its variable, its check, and how its
+    text becomes what the check takes."""
 
+    name: str                                    # the field of Settings (configure()'s argument)
+    env: str                                     # its FASTPIN_* variable
+    check: Callable[[Any], Any]                  # configure()'s check of a value
+    from_text: Callable[[str], Any]              # the variable's text -> what check takes
+    allowed: str                                 # what the variable may be, for its error
+    default: Any = None                          # unset (or empty)
+
+    def read(self) -> Any:
+        """The setting the environment gives, checked; the error names the variable."""
+        text = os.environ.get(self.env)
+        if text is None or text.strip() == "":
+            return self.default
+        try:
+            return self.check(self.from_text(text))
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.env}={text!r}: must be {self.allowed}") from None
+
+
+def _flag(name: str, env: str, default: bool) -> Setting:
+    return Setting(name, env, lambda value: check_bool(name, value), flag_text, FLAG_ALLOWED,
+                   default)
+
+
+ENVIRONMENT = (
+    # None: the default arenas size themselves (fastpin._grow).
+    Setting("capacity", "FASTPIN_ARENA_BYTES", check_arena_bytes, int_text,
+            CAPACITY_ALLOWED + ", or auto (the arenas size themselves)"),
+    Setting("threads", "FASTPIN_THREADS", check_threads, int_text, THREADS_ALLOWED),
+    Setting("on_full", "FASTPIN_ON_FULL", check_on_full, str.strip,
+            "one of " + ", ".join(ON_FULL), "fallback"),
+    _flag("allow_unpinned", "FASTPIN_ALLOW_UNPINNED", False),
+    _flag("numa", "FASTPIN_NUMA", True),
+    _flag("streaming", "FASTPIN_STREAMING", True),
+    # install() and Loader(dl) collate in the workers (zero-copy) by default.
+    _flag("zero_copy", "FASTPIN_ZERO_COPY", True),
+)
+# Read where they are used: the C core's cuda.c reads FASTPIN_DISABLE_CUDA's
+# words as flag_text does; _segments the zero-copy cap.
+DISABLE_CUDA = _flag("disable_cuda", "FASTPIN_DISABLE_CUDA", False)
+ZERO_COPY_MAX_BYTES = Setting(
+    "zero_copy_max_bytes", "FASTPIN_ZERO_COPY_MAX_BYTES",
+    lambda value: check_int("zero_copy_max_bytes", value, 1, None, "a number of bytes >= 1"),
+    int_text, "a number of bytes >= 1 (the most a self-sizing shared arena grows to)")
+
+
+# ---- the environment -----------------------------------------------------------------
 
 def env_exact(name: str, words: tuple, allowed: str) -> None:
     """A variable the C core reads as written (no spaces, no other words): one of `words`."""
@@ -128,29 +194,22 @@ def env_exact(name: str, words: tuple, allowed: str) -> None:
 SYSFS_ROOT_ENV = "FASTPIN_SYSFS_ROOT"  # where _numa reads the topology (tests give a fake tree)
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """A flag variable, read as every FASTPIN_* flag is."""
+    return _flag(name.lower(), name, default).read()
+
+
 def zero_copy_max_bytes() -> Optional[int]:
     """FASTPIN_ZERO_COPY_MAX_BYTES: the cap of a self-sizing shared arena, or None."""
-    return env_int("FASTPIN_ZERO_COPY_MAX_BYTES", None, 1, None,
-                   "a number of bytes >= 1 (the most a self-sizing shared arena grows to)")
+    return ZERO_COPY_MAX_BYTES.read()
 
 
 def read_environment() -> dict:
     """The settings the FASTPIN_* environment gives (defaults where unset), checked."""
-    return {
-        # None: the default arenas size themselves (fastpin._grow).
-        "capacity": env_int("FASTPIN_ARENA_BYTES", None, 1, MAX_CAPACITY, CAPACITY_ALLOWED),
-        "threads": env_int("FASTPIN_THREADS", None, 1, MAX_THREADS,
-                           f"a number of copy threads from 1 to {MAX_THREADS} (unset: "
-                           "the CPUs this process may use, at most 16)"),
-        "device": None,  # None: the current GPU (see _arena.device_index)
-        "on_full": env_choice("FASTPIN_ON_FULL", "fallback", ON_FULL),
-        "wait_timeout": 10.0,
-        "allow_unpinned": env_flag("FASTPIN_ALLOW_UNPINNED", False),
-        "numa": env_flag("FASTPIN_NUMA", True),
-        "streaming": env_flag("FASTPIN_STREAMING", True),
-        # install() and Loader(dl) collate in the workers (zero-copy) by default.
-        "zero_copy": env_flag("FASTPIN_ZERO_COPY", True),
-    }
+    fields = {s.name: s.read() for s in ENVIRONMENT}
+    fields.update(device=None,  # None: the current GPU (see _arena.device_index)
+                  wait_timeout=10.0)
+    return fields
 
 
 def check_environment() -> None:
@@ -159,7 +218,7 @@ def check_environment() -> None:
     cuda.c), checked; the first bad one raises ValueError."""
     read_environment()
     zero_copy_max_bytes()
-    env_exact("FASTPIN_DISABLE_CUDA", ("", "0", "1"), "1 (never load the CUDA driver) or 0")
+    DISABLE_CUDA.read()
     env_exact("FASTPIN_FENCE", ("", "event", "sync"), "one of event, sync (unset: event "
               "where the driver has cuCtxRecordEvent)")
     root = os.environ.get(SYSFS_ROOT_ENV)

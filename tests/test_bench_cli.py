@@ -161,7 +161,7 @@ def test_sizes_are_mib_and_labelled_so():
     res = bench.compare(eight_batches, paths=["pageable", "loader_host"], batches=2, warmup=0,
                         device=None, progress=False)
     text = res.markdown()
-    assert "MiB batches" in text and "pinned MiB held" in text and not re.search(r"\bMB\b", text)
+    assert "MiB batches" in text and "pinned MiB (peak)" in text and not re.search(r"\bMB\b", text)
 
 
 def test_pin_table_says_too_short_instead_of_zero_gbps():
@@ -174,10 +174,24 @@ def test_pin_table_says_too_short_instead_of_zero_gbps():
                       "fastpin": 12.0}]}
     text = bench.format_pin_table(pins)
     assert "| 0.0 |" not in text
-    assert "| 0.0625 MiB | 31.6 | too short* | 12.5 | n/a | n/a | 9.8 | 0.78x | n/a |" in text
+    assert "| 0.0625 MiB | 31.6 | too short* | 12.5 | 9.8 | 0.78x | n/a |" in text
     assert "| 16 MiB | 7.2 | 11.5 | 13.0 |" in text
     [note] = [ln for ln in text.splitlines() if ln.startswith("* too short")]
-    assert "0.0082 GB/s" not in note and "--json" in note
+    assert "0.0082 GB/s" not in text and "--json keeps the figure" in text
+
+
+def test_pin_table_is_narrow():
+    """Bug: the report's first table had 12 columns and lines of 391 characters."""
+    for gpu in (False, True):
+        row = {"size_mb": 256, "memcpy_1": 5.2, "memcpy_n": 40.1, "memcpy_pool": 41.0,
+               "fastpin": 46.9, "torch_pin_1": 4.8, "torch_pin_n": 30.2,
+               "cpu_s_per_gb": {"fastpin": 0.31, "torch_pin_1": 0.2, "torch_pin_n": 1.5}}
+        text = bench.format_pin_table({"gpu": gpu, "torch_threads": 16, "fastpin_threads": 16,
+                                       "rows": [row]})
+        assert max(map(len, text.splitlines())) <= 110, text
+        tables = [ln for ln in text.splitlines() if ln.startswith("| batch |")]
+        assert all(ln.count("|") - 1 <= 9 for ln in tables), tables
+        assert ("torch pin 16" in text) == gpu   # torch cannot pin without a GPU
 
 
 def test_pin_table_has_each_pinning_paths_cpu_seconds_per_gb():
@@ -189,13 +203,13 @@ def test_pin_table_has_each_pinning_paths_cpu_seconds_per_gb():
         assert set(cpu) == {k for k in row if k not in ("size_mb", "cpu_s_per_gb")}
         assert all(v > 0 for v in cpu.values()), cpu
     text = bench.format_pin_table(pins)
-    assert "CPU s/GB: torch pin 1 |" in text and "every thread of this process" in text
-    [row] = [ln for ln in text.splitlines() if ln.startswith("| 2 MiB |")]
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert len(cells) == 12
+    assert "CPU s/GB" in text and "every thread of this process" in text
+    rows = [ln for ln in text.splitlines() if ln.startswith("| 2 MiB |")]
+    cells = [c.strip() for c in rows[-1].strip("|").split("|")]
     assert cells[-1] == f"{pins['rows'][1]['cpu_s_per_gb']['fastpin']:.3f}"
-    if not pins["gpu"]:
-        assert cells[-3:-1] == ["n/a", "n/a"]   # torch cannot pin here
+    if pins["gpu"]:
+        assert cells[1:3] == [f"{pins['rows'][1]['cpu_s_per_gb'][k]:.3f}"
+                              for k in ("torch_pin_1", "torch_pin_n")]
 
 
 # ---- a short loader -----------------------------------------------------------------
@@ -208,21 +222,24 @@ def test_a_short_loader_says_how_many_batches_each_path_timed():
     for row in res.ran:
         assert row.batches == 4 and "ran out after 4 of 100" in row.reason
     text = str(res)
-    assert "100 timed" not in text and "4 timed (of 100 asked for)" in text
-    assert "| pageable .to() | 4 (too few) |" in res.table()
+    assert "100 timed" not in text and "then 4 timed (at least 100 and 1 s)" in text
+    assert "| pageable .to() | 4* |" in res.table()
     assert text.count("warning: ") == 2 and "timed only 4 batches" in text
     assert bench.Results.from_dict(res.to_dict()).markdown() == res.markdown()
 
 
 def test_enough_batches_carry_no_warning():
-    res = bench.compare(eight_batches, paths=["pageable"], batches=3, warmup=0, device=None,
-                        progress=False)
+    res = bench.compare(eight_batches, paths=["pageable"], batches=3, warmup=0, min_seconds=0,
+                        device=None, progress=False)
+    # The warm-up takes the first batch and the Loader depth's 2 (no workers here).
     assert res["pageable"].batches == 3 and not res["pageable"].reason
-    assert "3 timed after 0 warm-up" in res.header()
+    assert "the first batch and 2 more untimed, then 3 timed (at least 3)" in res.header()
     # 3 batches of a few bytes in well under a second: flagged, though none ran out.
     assert "warning: pageable .to() timed only 3 batches" in res.markdown()
-    long = bench.Row("pageable", batches=3, gbps=1.0, step_ms=400.0)
-    assert not bench._too_few(long)
+    for batches, ms in [(3, 400.0), (20, 10.0), (19, 100.0)]:
+        row = bench.Row("pageable", batches=batches, gbps=1.0, step_ms=ms)
+        assert bench._too_few(row)
+    assert not bench._too_few(bench.Row("pageable", batches=20, gbps=1.0, step_ms=50.0))
 
 
 def test_table_says_why_a_row_failed():
@@ -233,7 +250,7 @@ def test_table_says_why_a_row_failed():
     table = res.table()
     for row in res.rows:
         assert row.status == "failed" and "warm-up" in row.reason
-        assert f"| {row.label} | | failed: the loader ran out during warm-up" in table
+        assert f"| {row.label} | failed: the loader ran out during warm-up: it gave 8 " in table
 
 
 # ---- the README -----------------------------------------------------------------------
@@ -262,8 +279,8 @@ def test_readme_case_table_matches_the_list(readme):
 
 
 @pytest.mark.parametrize("cpus,workloads,images,train", [
-    (2, [1], [1], [1]), (4, [3], [3], [3]), (16, [15], [8, 15], [8, 15]),
-    (64, [63], [8, 63], [8, 15])])
+    (2, [1], [1], [1]), (4, [3], [3], [3]), (16, [15], [8, 15], [15]),
+    (64, [63], [8, 63], [15])])
 def test_workers_default_is_what_readme_and_help_say(cpus, workloads, images, train,
                                                      monkeypatch, readme):
     # Bug: the README and --help said loader_images runs "8 and" one per core but one
@@ -274,7 +291,7 @@ def test_workers_default_is_what_readme_and_help_say(cpus, workloads, images, tr
     plan = cli._plan(cli._parser().parse_args([]))
     assert (plan.workers, plan.loader_workers, plan.train_workers) == (workloads, images, train)
     said = ("one per core but one, N (`loader_images`: N, and 8 too where N > 8: `[1]` on 2 "
-            "cores, `[8, 15]` on 16; `train_model`: the same, N at most 15)")
+            "cores, `[8, 15]` on 16; `train_model`: N, at most 15)")
     assert said in " ".join(readme.split()) and "8 and that" not in readme
     [action] = [a for a in cli._parser()._actions if "--workers" in a.option_strings]
     assert "8 and one per core" not in action.help and "N > 8" in action.help
@@ -344,3 +361,57 @@ def test_make_help_names_every_variable():
     variables = out[out.index("Variables:"):]
     missing = [v for v in sorted(given | read) if f"{v}=" not in variables]
     assert not missing, missing
+
+
+# ---- --json and --plot: checked before anything runs ----------------------------------
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_output_into_a_missing_folder_fails_at_once(option, tmp_path, capsys, monkeypatch):
+    """Bug: --json/--plot into a folder that does not exist ended in a traceback
+    after the whole run."""
+    ran = []
+    monkeypatch.setattr(bench.SUITE["tokens"].__class__, "run",
+                        lambda self, *a: ran.append(self.name))
+    target = tmp_path / "no-such-folder" / "run.out"
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--case", "tokens", option, str(target), "--no-progress"])
+    assert exc.value.code == 2 and ran == []
+    err = capsys.readouterr().err
+    assert f"error: {option} {target}: no folder {target.parent}" in err
+    assert "Traceback" not in err
+
+
+# ---- the report where there is no GPU -----------------------------------------------
+
+@no_gpu
+def test_without_a_gpu_one_line_says_so_and_the_gpu_paths_are_left_out(capsys):
+    """Bug: on a machine without a GPU the report was 160 lines: the driver's message
+    printed 27 times, once per skipped row, a first table of 12 columns, lines up
+    to 391 characters."""
+    rc = bench.main(["--quick", "--case", "tokens", "--case", "pin_sizes", "--sizes", "1",
+                     "--workers", "0", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    reason = fastpin.cuda_status().reason
+    assert out.count(reason) == 1 and f"No GPU: {reason}" in out
+    for path, info in bench.PATHS.items():
+        if info.needs_gpu or info.needs_cuda_target:
+            assert f"| {info.label} |" not in out, path
+    assert "skipped" not in out and "warning" not in out
+    assert out.index("# Summary") < out.index("# Details")
+    long = [ln for ln in out.splitlines() if len(ln) > 110]
+    assert not long, long
+
+
+def test_quick_shortens_the_lists_never_the_method():
+    """Bug: --quick timed 2-4 batches after 1 warm-up (and pin_sizes cells for 0.1 s):
+    a short run measured something else. It now leaves out cases, paths and sizes."""
+    from fastpin.bench import __main__ as cli
+
+    quick = cli._plan(cli._parser().parse_args(["--quick"]))
+    full = cli._plan(cli._parser().parse_args([]))
+    method = ("batches", "warmup", "seconds", "max_seconds", "compute_ms", "workers")
+    assert [getattr(quick, k) for k in method] == [getattr(full, k) for k in method]
+    assert set(quick.names) < set(full.names) and set(quick.paths) <= set(full.paths)
+    assert set(quick.sizes) < set(full.sizes)
+    assert full.batches == 20 and full.warmup == 3

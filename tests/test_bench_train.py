@@ -3,7 +3,7 @@ reason where it cannot run; its machinery run on the CPU with a tiny model."""
 import pytest
 import torch
 
-from fastpin import bench_train
+from fastpin import bench, bench_train
 
 from conftest import gpu
 
@@ -33,7 +33,10 @@ def test_every_host_path_trains_on_the_cpu():
         for p in paths:
             assert row["paths"][p]["ips"] > 0, row["paths"][p]
     table = bench_train.format_train_table(result)
-    assert "| uint8 | 2 |" in table and "zero_copy" in table
+    assert "| path | uint8 (0 MB), 2 workers | float32 (0 MB), 2 workers |" in table
+    for p in paths:
+        ips = [f"{row['paths'][p]['ips']:.0f}" for row in result["rows"]]
+        assert f"| {bench.PATHS[p].label} | {ips[0]} (" in table
 
 
 @gpu

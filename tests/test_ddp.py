@@ -81,6 +81,19 @@ def test_two_ranks_on_the_cpu_get_exact_data():
     assert p.stdout.rstrip().endswith("ddp_train: all exact")
 
 
+def test_without_torchrun_it_says_how_to_run_it():
+    """Bug: python examples/ddp_train.py ended in KeyError: 'RANK' (the torchrun
+    line was only in its docstring)."""
+    env = {k: v for k, v in quiet_env().items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    p = subprocess.run([sys.executable, str(SCRIPT)], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode != 0 and p.stdout == ""
+    [line] = p.stderr.splitlines()
+    assert "Traceback" not in line and "torchrun --nproc_per_node=" in line
+    assert "examples/ddp_train.py" in line
+
+
 def load_example():
     spec = importlib.util.spec_from_file_location("ddp_train", SCRIPT)
     module = importlib.util.module_from_spec(spec)

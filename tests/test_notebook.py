@@ -69,7 +69,7 @@ def test_notebook_runs_headless(kernel, tmp_path):
     assert list(rows) == list(bench.PATHS)
     for path in ("pageable", "fastpin_pin", "loader_host", "zero_copy"):
         assert rows[path].ok, (path, rows[path].reason)
-        assert rows[path].batches == 4
+        assert rows[path].batches >= 4   # at least BATCHES, and a second of them
         assert rows[path].batch_mb * bench.MB == 16 * (3 * 224 * 224 + 8)
     if not fastpin.cuda_available():
         for path in ("pin_memory", "prefetcher", "loader_cuda"):

@@ -43,7 +43,8 @@ BAD_CONFIGURE = [
     ({"wait_timeout": -1}, ValueError, r"wait_timeout must be a finite .* not -1"),
     ({"wait_timeout": "10"}, TypeError, r"wait_timeout must be a number of seconds"),
     ({"wait_timeout": True}, TypeError, r"wait_timeout must be a number of seconds"),
-    ({"threads": -1}, ValueError, r"threads must be 0 \(the default.* to 1024, not -1"),
+    ({"threads": -1}, ValueError, r"threads must be a number of copy threads from 0 \(the "
+                                  r"default.* to 1024, not -1"),
     ({"threads": 1025}, ValueError, r"threads must be .* not 1025"),
     ({"threads": 2.5}, TypeError, r"threads must be an integer"),
     ({"device": -1}, ValueError, r"device must be a CUDA device \('cuda', 'cuda:N', an ordinal N >= 0 "
@@ -148,8 +149,9 @@ BAD_ENV = [
     ("FASTPIN_ARENA_BYTES", "1.5e9", r"FASTPIN_ARENA_BYTES='1.5e9': must be a number of bytes"),
     ("FASTPIN_ARENA_BYTES", "lots", r"FASTPIN_ARENA_BYTES='lots': must be"),
     ("FASTPIN_ARENA_BYTES", str(2 ** 44), r"FASTPIN_ARENA_BYTES='17592186044416': must be"),
-    ("FASTPIN_THREADS", "-5", r"FASTPIN_THREADS='-5': must be a number of copy threads from 1 to 1024"),
-    ("FASTPIN_THREADS", "0", r"FASTPIN_THREADS='0': must be a number of copy threads"),
+    ("FASTPIN_THREADS", "-5", r"FASTPIN_THREADS='-5': must be a number of copy threads from 0 "
+                              r"\(the default: .*\) to 1024"),
+    ("FASTPIN_THREADS", "1025", r"FASTPIN_THREADS='1025': must be a number of copy threads"),
     ("FASTPIN_THREADS", "many", r"FASTPIN_THREADS='many': must be"),
     ("FASTPIN_ON_FULL", "drop", r"FASTPIN_ON_FULL='drop': must be one of fallback, wait, raise"),
     ("FASTPIN_ON_FULL", "0", r"FASTPIN_ON_FULL='0': must be one of"),
@@ -159,8 +161,9 @@ BAD_ENV = [
     ("FASTPIN_ZERO_COPY_MAX_BYTES", "-5", r"FASTPIN_ZERO_COPY_MAX_BYTES='-5': must be a number of bytes >= 1"),
     ("FASTPIN_ZERO_COPY_MAX_BYTES", "0", r"FASTPIN_ZERO_COPY_MAX_BYTES='0': must be a number of bytes"),
     ("FASTPIN_ZERO_COPY_MAX_BYTES", "lots", r"FASTPIN_ZERO_COPY_MAX_BYTES='lots': must be"),
-    ("FASTPIN_DISABLE_CUDA", "yes", r"FASTPIN_DISABLE_CUDA='yes': must be 1 \(never load the CUDA driver\) or 0"),
-    ("FASTPIN_DISABLE_CUDA", " 0", r"FASTPIN_DISABLE_CUDA=' 0': must be 1"),
+    ("FASTPIN_DISABLE_CUDA", "maybe", r"FASTPIN_DISABLE_CUDA='maybe': must be 1 or 0 "
+                                      r"\(or true/false, yes/no, on/off\)"),
+    ("FASTPIN_ARENA_BYTES", "automatic", r"FASTPIN_ARENA_BYTES='automatic': must be .*, or auto"),
     ("FASTPIN_FENCE", "synch", r"FASTPIN_FENCE='synch': must be one of event, sync"),
     ("FASTPIN_SYSFS_ROOT", "/no/such/sysfs", r"FASTPIN_SYSFS_ROOT='/no/such/sysfs': must be a directory"),
 ]
@@ -384,3 +387,127 @@ def test_raw_copies_refuse_negative_and_wrapping_spans():
     d = ctypes.addressof((ctypes.c_char * 64).from_buffer(dst))
     _C.copy(d, s, 64)  # and still copies what is valid
     assert dst == src
+
+
+# ---- configure() and the environment agree ---------------------------------------------
+
+# (configure()'s argument, its variable, the value as configure() takes it, the same value
+# as the environment gives it, whether both take it). Bugs: FASTPIN_THREADS=0 and
+# FASTPIN_ARENA_BYTES=auto were refused where configure(threads=0) and
+# configure(capacity="auto") were taken.
+AGREE = [
+    ("capacity", "FASTPIN_ARENA_BYTES", 4096, " 4096 ", True),
+    ("capacity", "FASTPIN_ARENA_BYTES", "auto", "auto", True),
+    ("capacity", "FASTPIN_ARENA_BYTES", MAX, str(MAX), True),
+    ("capacity", "FASTPIN_ARENA_BYTES", 0, "0", False),
+    ("capacity", "FASTPIN_ARENA_BYTES", -5, "-5", False),
+    ("capacity", "FASTPIN_ARENA_BYTES", MAX + 1, str(MAX + 1), False),
+    ("capacity", "FASTPIN_ARENA_BYTES", "lots", "lots", False),
+    ("capacity", "FASTPIN_ARENA_BYTES", 1.5e9, "1.5e9", False),
+    ("threads", "FASTPIN_THREADS", 0, "0", True),
+    ("threads", "FASTPIN_THREADS", 3, "3", True),
+    ("threads", "FASTPIN_THREADS", 1024, "1024", True),
+    ("threads", "FASTPIN_THREADS", 1025, "1025", False),
+    ("threads", "FASTPIN_THREADS", -1, "-1", False),
+    ("threads", "FASTPIN_THREADS", "many", "many", False),
+    ("on_full", "FASTPIN_ON_FULL", "fallback", "fallback", True),
+    ("on_full", "FASTPIN_ON_FULL", "wait", "wait", True),
+    ("on_full", "FASTPIN_ON_FULL", "raise", " raise", True),
+    ("on_full", "FASTPIN_ON_FULL", "drop", "drop", False),
+    ("on_full", "FASTPIN_ON_FULL", "0", "0", False),
+] + [(name, var, value, word, True)
+     for name, var in [("allow_unpinned", "FASTPIN_ALLOW_UNPINNED"), ("numa", "FASTPIN_NUMA")]
+     for value, words in [(True, ["1", "true", "yes", "on", "YES"]),
+                          (False, ["0", "false", "no", "off", "Off"])]
+     for word in words] + [
+    ("allow_unpinned", "FASTPIN_ALLOW_UNPINNED", "maybe", "maybe", False),
+    ("numa", "FASTPIN_NUMA", 2, "2", False),
+]
+
+
+def configured(name, value):
+    """What configure(name=value) sets, or 'refused'; the settings put back after."""
+    settings = _runtime.settings
+    settings.load()
+    saved = {k: settings.__dict__[k] for k in _runtime.Settings.FIELDS}
+    try:
+        fastpin.configure(**{name: value})
+        return getattr(settings, name)
+    except (TypeError, ValueError):
+        return "refused"
+    finally:
+        settings.__dict__.update(saved)
+        _C.set_threads(saved["threads"] or 0)
+        fastpin._numa.set_enabled(saved["numa"])
+
+
+def from_environment(monkeypatch, name, var, text):
+    monkeypatch.setenv(var, text)
+    try:
+        return _runtime.read_environment()[name]
+    except ValueError as exc:
+        assert str(exc).startswith(f"{var}={text!r}: must be "), exc
+        return "refused"
+
+
+@pytest.mark.parametrize("name, var, value, text, taken", AGREE,
+                         ids=[f"{v}={t!r}" for _, v, _, t, _ in AGREE])
+def test_configure_and_the_environment_take_the_same_values(name, var, value, text, taken,
+                                                             monkeypatch):
+    by_configure = configured(name, value)
+    by_environment = from_environment(monkeypatch, name, var, text)
+    assert by_configure == by_environment, (by_configure, by_environment)
+    assert (by_configure != "refused") == taken
+
+
+FLAG_VARIABLES = ["FASTPIN_ALLOW_UNPINNED", "FASTPIN_NUMA", "FASTPIN_STREAMING",
+                  "FASTPIN_ZERO_COPY", "FASTPIN_DISABLE_CUDA"]
+
+
+@pytest.mark.parametrize("word", ["1", "0", "true", "false", "yes", "no", "on", "off", " ON ",
+                                  "maybe", "2", "disabled"])
+def test_every_flag_takes_the_same_words(word, monkeypatch):
+    """Bug: FASTPIN_DISABLE_CUDA=yes was refused where the other flags take yes/no/on/off."""
+    taken = {}
+    for var in FLAG_VARIABLES:
+        monkeypatch.setenv(var, word)
+        try:
+            _runtime.check_environment()
+            taken[var] = True
+        except ValueError as exc:
+            assert f"{var}={word!r}: must be 1 or 0 (or true/false, yes/no, on/off)" in str(exc)
+            taken[var] = False
+        monkeypatch.delenv(var)
+    assert len(set(taken.values())) == 1, taken
+
+
+@pytest.mark.parametrize("word, disabled", [("yes", True), ("On", True), ("1", True),
+                                            ("no", False), (" off ", False), ("0", False)])
+def test_disable_cuda_means_what_the_flag_says(word, disabled):
+    """The C core reads FASTPIN_DISABLE_CUDA itself: it must read the words as the
+    Python layer does (it once took every word but "0" as "disable")."""
+    full = dict(os.environ, FASTPIN_DISABLE_CUDA=word,
+                PYTHONPATH=FASTPIN_HOME + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c",
+                        "import fastpin; print(fastpin.cuda_status().reason)"],
+                       cwd=tempfile.gettempdir(), env=full, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert ("disabled by FASTPIN_DISABLE_CUDA" in r.stdout) == disabled, r.stdout
+
+
+@pytest.mark.timeout(30)
+def test_none_keeps_the_setting_as_the_docstring_says():
+    """configure(on_full=None) was taken and meant nothing documented: None (as an
+    argument left out) keeps the setting as it is, for every argument."""
+    doc = " ".join(fastpin.configure.__doc__.split())
+    assert "An argument left out, or None, keeps its current setting" in doc
+    settings = _runtime.settings
+    before = settings.on_full
+    try:
+        fastpin.configure(on_full="raise")
+        fastpin.configure(on_full=None, capacity=None, threads=None, wait_timeout=None,
+                          allow_unpinned=None, numa=None, device=None)
+        assert settings.on_full == "raise"
+    finally:
+        settings.on_full = before

@@ -1,16 +1,22 @@
 """python -m fastpin.bench: fastpin side by side with PyTorch's own paths, on
 batches shaped like real workloads.
 
-Cases (--case, repeatable; default: all of them):
+The report opens with a summary: for each workload case, the GB/s delivered to
+the GPU through the stock DataLoader(pin_memory=True) and, with the ratio to it,
+the timm prefetcher, install(), every path that delivers to the GPU and
+fastpin.Loader; and the training case's images/s. Each case's details follow.
+
+Cases (--case, repeatable; default: all but loader_images; --quick: pin_sizes,
+images_u8, tokens, recsys):
 
   pin_sizes     pin_memory of one batch of 64 KiB to 256 MiB: the machine's memcpy
                 rates, torch's pinning with 1 and N threads, fastpin.pin_memory
   train_step    a training step with compute C and transfer T (C < T, C > T):
                 stock .to(), the timm/Apex prefetcher, fastpin.Loader (GPU only)
-  loader_images DataLoader delivered GB/s, uint8 and float32 images, batch 256:
-                pin_memory=True, fastpin.Loader, fastpin.Loader(zero_copy=True)
+  loader_images DataLoader delivered GB/s, uint8 and float32 images, batch 256, 8 and
+                N workers: pin_memory=True, fastpin.Loader, zero-copy (when asked for)
   train_model   training resnet18 (torchvision's or timm's) on in-memory images,
-                every path beside the batch already on the GPU (fastpin.bench_train)
+                each path beside the batch already on the GPU (GPU only)
   images_u8     uint8 images 3x224x224, batch 256 (36.8 MiB)
   images_f32    float32 images 3x224x224, batch 256 (147 MiB)
   tokens        int64 token sequences of 2k-8k tokens, batch 8, padded per batch
@@ -21,7 +27,7 @@ Cases (--case, repeatable; default: all of them):
   token_windows int32 token windows of 4096 tokens, batch 16, fixed length
                 (input_ids, attention_mask, labels: 0.75 MiB)
 
-The seven workload cases go through every path that applies (--path, repeatable):
+The seven workload cases go through the paths (--path, repeatable):
 
   pageable      DataLoader(pin_memory=False); batch.to(device, non_blocking=True)
   pin_memory    DataLoader(pin_memory=True) (torch's pin thread); then .to()
@@ -34,15 +40,21 @@ The seven workload cases go through every path that applies (--path, repeatable)
   install       DataLoader(pin_memory=True) after fastpin.install(): the same
                 zero-copy collation, the pin thread hands the batch over; then .to()
 
+(--list gives every path of this version.) Each path is measured in its steady
+state: the first batch and at least every batch its workers made meanwhile
+(num_workers x prefetch_factor, and the Loader's depth) go untimed, then it is
+timed over at least --batches batches (20) and at least a second. --quick
+shortens the lists of cases and paths, never this.
+
 Figures per path: delivered GB/s; step time with --compute-ms of simulated compute
 per step (a GPU kernel that spins for that long; with no GPU, the main thread
 sleeps, as a host waiting for its GPU does); main-process CPU per batch (every
 thread of this process: pin thread, copy threads, the Loader's thread); pinned
 memory held (torch's pinned cache, or fastpin's page-locked arena) with the peak
-in use; time from making the loader to the first batch on the device.
+in use; time from making the loader to the first batch.
 
-With no GPU the GPU paths are skipped, with the reason, and the host paths still
-run. A case that needs more memory than is available is skipped, with the reason.
+With no GPU, one line says so and why, and the GPU paths and cases are left out.
+A case that needs more memory than is available is skipped, with the reason.
 
 The same measurement for your own DataLoader: fastpin.bench.compare(...).
 """

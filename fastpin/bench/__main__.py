@@ -7,18 +7,21 @@ import functools
 import json
 import logging
 import math
+import os
 import sys
+import textwrap
 from typing import Optional, Sequence
 
 from fastpin import _C, _torch
 
 from ._optional import torch
-from .cases import CASE_NAMES, SUITE, Plan
+from .cases import CASE_NAMES, DEFAULT_CASES, QUICK_CASES, QUICK_SIZES, SUITE, Plan
 from .host import MB, machine
-from .paths import PATHS, gpu_usable, target_of
+from .paths import PATHS, gpu_usable, target_of, why_not
 from .plots import MATPLOTLIB, plot
 from .progress import Progress
-from .suite import failed, header, not_run, report, save, section
+from .results import MIN_SECONDS, MIN_TIMED, WIDTH
+from .suite import failed, report, save
 
 log = logging.getLogger("fastpin.bench")
 
@@ -75,29 +78,39 @@ def _parser() -> argparse.ArgumentParser:
                                      description=sys.modules[__package__].__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", action="append", choices=CASE_NAMES + ("all",),
-                        help="a case to run (repeatable; default: all)")
+                        help="a case to run (repeatable; default: every case but "
+                             "loader_images, and those that need a GPU where there is none; "
+                             "all: every case)")
     parser.add_argument("--path", action="append", choices=tuple(PATHS),
-                        help="a path to run in the workload cases (repeatable; default: all)")
+                        help="a path to run in the workload cases (repeatable; default: every "
+                             "path that can run here, but fastpin_pin and loader_host where "
+                             "batches go to a GPU)")
     parser.add_argument("--workers", type=_number(int, 0), nargs="+",
                         help="DataLoader workers (default: one per core but one, N; "
-                             "loader_images: N, and 8 too where N > 8; train_model: the same, "
-                             "N at most 15)")
-    parser.add_argument("--batches", type=_number(int, 1),
-                        help="batches timed per path (default: each case's own, fewer without "
-                             "a GPU; loader_images: 300, or 10 without a GPU)")
-    parser.add_argument("--warmup", type=_number(int, 0),
-                        help="batches before timing starts (default: 3)")
-    parser.add_argument("--max-seconds", type=_number(float, 0), default=3.0,
+                             "loader_images: N, and 8 too where N > 8; train_model: N, at "
+                             "most 15)")
+    parser.add_argument("--batches", type=_number(int, 1), default=MIN_TIMED,
+                        help="batches timed per path at least, and at least "
+                             f"{MIN_SECONDS:g} s of them (default: {MIN_TIMED}; train_model: "
+                             "its steps)")
+    parser.add_argument("--warmup", type=_number(int, 0), default=3,
+                        help="untimed batches after the first, at least: each path also "
+                             "takes every batch its workers made ahead (num_workers x "
+                             "prefetch_factor, and the depth) before timing (default: 3)")
+    parser.add_argument("--max-seconds", type=_number(float, 0), default=0.0,
                         help="time budget of each path: it stops timing after this many "
-                             "seconds (at least 5 batches) even short of --batches, so the "
-                             "whole suite fits in a few minutes (default: 3; 0: no budget)")
+                             "seconds even short of --batches (never short of "
+                             f"{MIN_TIMED} batches and {MIN_SECONDS:g} s; default: 0, no "
+                             "budget)")
     parser.add_argument("--compute-ms", type=_number(float, 0), default=0.0,
                         help="simulated compute per step in the workload cases, ms (default: 0)")
     parser.add_argument("--device", default="auto", type=_device_arg,
                         help="where batches go: auto (the GPU if any, else the host), host, "
                              "cuda, cuda:N (an error where there is no such GPU)")
     parser.add_argument("--quick", action="store_true",
-                        help="a short run: a few batches per path, smaller micro tables")
+                        help="a short run: fewer cases (" + ", ".join(QUICK_CASES) + "; "
+                             "pin_sizes at 0.0625 1 16 MiB) and paths (the stock path and "
+                             "those of the summary), each measured as in a full run")
     parser.add_argument("--sizes", type=_mib, nargs="+",
                         help="pin_sizes: batch sizes in MiB (default: 0.0625 0.25 1 2 4 8 16 256)")
     parser.add_argument("--seconds", type=_number(float, 0),
@@ -106,10 +119,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="a workload path still running after this long prints every "
                              "thread's stack to stderr (and again, from faulthandler, at twice "
                              "the time), then goes on (default: 300; 0: never)")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the results as JSON (its folder must exist)")
     parser.add_argument("--plot", metavar="PATH",
                         help="also draw the workload cases (PNG; needs matplotlib: "
-                             "pip install matplotlib)")
+                             "pip install matplotlib; its folder must exist)")
     parser.add_argument("--from-json", metavar="PATH", type=_saved_run,
                         help="measure nothing: print (and --plot) a run that --json wrote")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -118,13 +132,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _listed(name: str, what: str) -> str:
+    return textwrap.fill(what, WIDTH, initial_indent=f"  {name:14s}", subsequent_indent=" " * 16,
+                         break_on_hyphens=False)
+
+
 def _list() -> int:
     _out("cases:")
     for case in SUITE.values():
-        _out(f"  {case.name:14s}{case.what}")
+        _out(_listed(case.name, case.what))
     _out("paths:")
     for p in PATHS.values():
-        _out(f"  {p.name:14s}{p.what}")
+        _out(_listed(p.name, p.what))
     return 0
 
 
@@ -150,26 +169,51 @@ def _check_device(parser: argparse.ArgumentParser, device: str) -> None:
                      f"{torch.cuda.device_count()} CUDA device(s)")
 
 
+def _cases(args: argparse.Namespace, gpu: bool) -> list:
+    """The cases to run: those --case names (all: every one), else the default list
+    or --quick's, without those that need a GPU where there is none (the report's
+    header says there is none; named with --case, they are reported as skipped)."""
+    if args.case and "all" not in args.case:
+        return [n for n in CASE_NAMES if n in args.case]
+    names = CASE_NAMES if args.case else QUICK_CASES if args.quick else DEFAULT_CASES
+    return [n for n in CASE_NAMES if n in names and (gpu or not SUITE[n].gpu_only)]
+
+
+def _paths(args: argparse.Namespace, target, host_reason: str) -> list:
+    """The workload cases' paths: those --path names, else those that can run here:
+    on the host every one; delivering to a GPU the stock path, pageable and the
+    summary's (fastpin's host-pinning paths, fastpin_pin and loader_host, when
+    named: a default run fits in a few minutes); --quick: the stock path and the
+    summary's. A named path that cannot run is left out of the tables, and the
+    report says why."""
+    if args.path:
+        return [p for p in PATHS if p in args.path]
+    stock = "pin_memory" if target is not None else "pageable"
+
+    def wanted(p: str) -> bool:
+        if p == stock or PATHS[p].in_summary:
+            return True
+        return not args.quick and (target is None or p == "pageable")
+
+    return [p for p in PATHS if why_not(p, target, host_reason) is None and wanted(p)]
+
+
 def _plan(args: argparse.Namespace) -> Plan:
-    """What the command line asks for, each default filled in for this machine."""
+    """What the command line asks for, each default filled in for this machine.
+    --quick shortens the lists of cases, paths and sizes, never how each is measured."""
     gpu, _ = gpu_usable()
     cpus = _C.cpu_count()
-    quick = args.quick
     target, host_reason = target_of(args.device)
+    n = max(1, cpus - 1)
     return Plan(
-        names=list(CASE_NAMES) if not args.case or "all" in args.case else
-        [n for n in CASE_NAMES if n in args.case],
-        paths=args.path or list(PATHS), gpu=gpu, quick=quick,
-        warmup=args.warmup if args.warmup is not None else (1 if quick else 3),
-        workers=args.workers or [max(1, cpus - 1)], batches=args.batches,
-        device=args.device, target=target, host_reason=host_reason,
+        names=_cases(args, gpu), paths=_paths(args, target, host_reason), gpu=gpu,
+        quick=args.quick, warmup=args.warmup, workers=args.workers or [n],
+        batches=args.batches, device=args.device, target=target, host_reason=host_reason,
         compute_ms=args.compute_ms, max_seconds=args.max_seconds,
-        sizes=args.sizes or ([0.0625, 1, 16] if quick else [0.0625, 0.25, 1, 2, 4, 8, 16, 256]),
-        seconds=args.seconds if args.seconds is not None else (0.1 if quick else 0.5),
-        loader_workers=args.workers or sorted({min(8, max(1, cpus - 1)), max(1, cpus - 1)}),
-        loader_batches=args.batches or (3 if quick else 300 if gpu else 10),
-        train_workers=args.workers or sorted({min(8, max(1, cpus - 1)),
-                                              min(15, max(1, cpus - 1))}))
+        sizes=args.sizes or (QUICK_SIZES if args.quick else [0.0625, 0.25, 1, 2, 4, 8, 16, 256]),
+        seconds=args.seconds if args.seconds is not None else 0.5,
+        loader_workers=args.workers or sorted({min(8, n), n}),
+        train_workers=args.workers or [min(15, n)])
 
 
 def _new_suite(command: str, plan: Plan) -> dict:
@@ -177,7 +221,8 @@ def _new_suite(command: str, plan: Plan) -> dict:
         "command": command,
         "machine": machine(),
         "settings": {"cases": plan.names, "paths": plan.paths, "workers": plan.workers,
-                     "warmup": plan.warmup, "compute_ms": plan.compute_ms,
+                     "batches": plan.batches, "warmup": plan.warmup,
+                     "min_seconds": MIN_SECONDS, "compute_ms": plan.compute_ms,
                      "device": str(plan.target or "host"), "max_seconds": plan.max_seconds,
                      "quick": plan.quick},
         "order": plan.names, "cases": [], "not_run_cases": {}, "failed_cases": {},
@@ -186,7 +231,7 @@ def _new_suite(command: str, plan: Plan) -> dict:
 
 def _run_case(name: str, plan: Plan, suite: dict, reporter: Progress,
               json_path: Optional[str]) -> None:
-    """One case into the suite, then its section of the report (and the JSON so far)."""
+    """One case into the suite (and the JSON so far); the report comes at the end."""
     reporter.stage(name)
     try:
         SUITE[name].run(plan, suite, reporter)
@@ -194,18 +239,13 @@ def _run_case(name: str, plan: Plan, suite: dict, reporter: Progress,
         log.debug("fastpin.bench: case %s failed", name, exc_info=True)
         suite["not_run_cases"][name] = f"failed: {type(exc).__name__}: {exc}"
         suite["failed_cases"][name] = f"{type(exc).__name__}: {exc}"
-    reporter.write()
-    reporter.write(section(suite, name))
     if json_path:  # after every case: a run cut short keeps what it measured
         save(suite, json_path)
 
 
 def _finish(suite: dict, args: argparse.Namespace) -> int:
-    """What did not run, the JSON and the plot; the exit status."""
-    summary = not_run(suite)
-    if summary:
-        _out()
-        _out(summary)
+    """The report, the JSON and the plot; the exit status."""
+    _out(report(suite))
     if args.json:
         save(suite, args.json)
     if args.plot:
@@ -217,11 +257,27 @@ def _finish(suite: dict, args: argparse.Namespace) -> int:
     return 1 if failed(suite) else 0
 
 
+def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--json and --plot into a folder that does not exist, or cannot be written:
+    a usage error now, not a traceback after the whole run."""
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            parser.error(f"{option} {path}: no folder {folder} (make it first)")
+        if os.path.isdir(path):
+            parser.error(f"{option} {path}: is a folder; give a file name")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            parser.error(f"{option} {path}: cannot write in {folder}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.list:
         return _list()
+    _check_outputs(parser, args)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -239,7 +295,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     suite = _new_suite("python -m fastpin.bench " + " ".join(sys.argv[1:] if argv is None
                                                              else argv), plan)
     try:
-        reporter.write(header(suite["machine"], suite["command"]))
         for name in plan.names:
             _run_case(name, plan, suite, reporter, args.json)
     finally:

@@ -26,9 +26,9 @@ class Plan:
     paths: list                # the paths of the workload cases
     gpu: bool                  # a GPU is usable here
     quick: bool
-    warmup: int
+    warmup: int                # untimed batches at least (each path drains its prefetch too)
     workers: list              # DataLoader workers of the workload cases
-    batches: Optional[int]     # --batches (None: each case's own)
+    batches: int               # batches timed at least per path (and MIN_SECONDS)
     device: str                # --device
     target: Any                # where that delivers: a CUDA device, or None (the host)
     host_reason: str           # why the host, where it is
@@ -37,11 +37,8 @@ class Plan:
     sizes: list                # pin_sizes: MiB
     seconds: float             # pin_sizes: least seconds per cell
     loader_workers: list       # loader_images
-    loader_batches: int        # loader_images
     train_workers: list        # train_model
-
-    def batches_for(self, w: Workload) -> int:
-        return self.batches or w.batches[2 if self.quick else 0 if self.gpu else 1]
+    train_paths: list = dataclasses.field(default_factory=list)  # train_model's paths
 
 
 def _no_gpu(plan: Plan) -> Optional[str]:
@@ -67,6 +64,7 @@ class MicroCase:
     memory: Callable[[Plan], float]            # bytes it needs
     measure: Callable[[Plan, Progress], dict]
     needs: Callable[[Plan], Optional[str]] = lambda plan: None  # why not, memory aside
+    gpu_only: bool = False                     # left out where there is no GPU
 
     def why_not(self, plan: Plan) -> Optional[str]:
         need, avail = self.memory(plan), available_memory()
@@ -94,27 +92,32 @@ class WorkloadCase:
 
     w: Workload
 
+    gpu_only = False
+
     @property
     def name(self) -> str:
         return self.w.name
 
     @property
     def what(self) -> str:
-        return f"{self.w.title} ({self.w.batch_bytes / MB:.3g} MiB a batch): every path"
+        return (f"{self.w.title} ({self.w.batch_bytes / MB:.3g} MiB a batch): every path that "
+                "applies")
 
     def steps(self, plan: Plan) -> int:
         runnable = [p for p in plan.paths if why_not(p, plan.target, plan.host_reason) is None]
-        return len(plan.workers) * len(runnable) * (1 + plan.warmup + plan.batches_for(self.w))
+        return len(plan.workers) * len(runnable) * (1 + plan.warmup + plan.batches)
 
     def run(self, plan: Plan, suite: dict, reporter: Progress) -> None:
         for nw in plan.workers:
-            res = run_case(self.w, workers=nw, batches=plan.batches_for(self.w),
+            res = run_case(self.w, workers=nw, batches=plan.batches,
                            warmup=plan.warmup, device=plan.device, compute_ms=plan.compute_ms,
                            paths=plan.paths, max_seconds=plan.max_seconds, progress=reporter)
             suite["cases"].append(res.to_dict())
 
     def section(self, suite: dict) -> str:
-        parts = [Results.from_dict(c).markdown() for c in suite["cases"] if c["name"] == self.name]
+        # The suite's report gives the legend and what was left out once.
+        parts = [Results.from_dict(c).markdown(legend=False, left_out=False)
+                 for c in suite["cases"] if c["name"] == self.name]
         if not parts:
             why = suite.get("not_run_cases", {}).get(self.name, "not run")
             return f"## {self.w.title}\n\n{why}"
@@ -136,30 +139,35 @@ _MICRO = [
         "a training step with compute C and transfer T (C < T, C > T): stock .to(), "
         "the timm/Apex prefetcher, fastpin.Loader (GPU only)",
         micro.format_step_table, steps=lambda plan: 2 if plan.gpu else 0,
-        memory=lambda plan: 6 * 256 * MB, needs=_no_gpu,
-        measure=lambda plan, reporter: (
-            micro.step_table(batch_mb=64, steps=10, reporter=reporter) if plan.quick
-            else micro.step_table(reporter=reporter))),
+        memory=lambda plan: 6 * 256 * MB, needs=_no_gpu, gpu_only=True,
+        measure=lambda plan, reporter: micro.step_table(reporter=reporter)),
     MicroCase(
         "loader_images", "loader", "DataLoader: delivered throughput",
-        "DataLoader delivered GB/s over uint8 and float32 images, batch 256: "
-        "pin_memory=True, fastpin.Loader, fastpin.Loader(zero_copy=True)",
+        "DataLoader delivered GB/s over uint8 and float32 images, batch 256, at 8 and N "
+        "workers: pin_memory=True, fastpin.Loader, fastpin.Loader(zero_copy=True) (run when "
+        "asked for: images_u8 and images_f32 measure every path)",
         micro.format_loader_table, steps=lambda plan: 3 * 2 * len(plan.loader_workers),
         memory=_images_memory,
         measure=lambda plan, reporter: micro.loader_table(
-            workers=plan.loader_workers, batches=plan.loader_batches,
+            workers=plan.loader_workers, batches=plan.batches,
             max_seconds=plan.max_seconds, reporter=reporter)),
     MicroCase(
         "train_model", "train", "Training resnet18: images/s against the batch already on the GPU",
         "Training resnet18: images/s against the batch already on the GPU",
         train.format_train_table, steps=lambda plan: 0,   # train_table reports no steps
-        memory=_images_memory, needs=lambda plan: train.why_not(),
+        memory=_images_memory, needs=lambda plan: train.why_not(), gpu_only=True,
         measure=lambda plan, reporter: train.train_table(
-            workers=plan.train_workers, steps=5 if plan.quick else 50,
-            warmup=2 if plan.quick else 5)),
+            workers=plan.train_workers, steps=plan.batches, warmup=plan.warmup,
+            paths=plan.train_paths or train.default_paths())),
 ]
 
 _ALL: list = [*_MICRO, *(WorkloadCase(w) for w in CASES.values())]
 SUITE: dict = {c.name: c for c in _ALL}
 MICRO = tuple(c.name for c in _MICRO)
 CASE_NAMES = tuple(SUITE)
+# What a run measures unless --case says: every case but loader_images (whose
+# paths images_u8 and images_f32 measure too); --quick, a short list. Neither
+# changes how a case is measured.
+DEFAULT_CASES = tuple(n for n in CASE_NAMES if n != "loader_images")
+QUICK_CASES = ("pin_sizes", "images_u8", "tokens", "recsys")
+QUICK_SIZES = [0.0625, 1, 16]

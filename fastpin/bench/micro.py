@@ -16,8 +16,8 @@ from ._optional import torch
 from .host import MB
 from .paths import SideStreamPrefetcher
 from .progress import Progress
-from .results import workers_label
-from .runner import out_of_time
+from .results import workers_label, wrap
+from .runner import MIN_SECONDS, enough
 from .workloads import Images
 
 _QUIET = Progress(0, enabled=False)  # a table run on its own reports nothing
@@ -208,12 +208,14 @@ def format_step_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _delivered(loader, to_device: bool, gpu: bool, batches: int, batch_bytes: int,
+def _delivered(loader, ahead: int, to_device: bool, gpu: bool, batches: int, batch_bytes: int,
                max_seconds: Optional[float], timed: list) -> tuple:
-    """(GB/s, main-process CPU ms per batch) of `loader` after 5 untimed batches;
-    appends the batches timed to `timed`."""
+    """(GB/s, main-process CPU ms per batch) of `loader`, timed as compare() times a
+    path: after the first batch and the `ahead` its workers made meanwhile (at
+    least 3), at least `batches` batches and MIN_SECONDS; appends the batches
+    timed to `timed`."""
     it = iter(loader)
-    for _ in range(5):  # workers up, arena warm
+    for _ in range(1 + max(3, ahead)):  # workers up, arena warm, the prefetched drained
         x = next(it)[0]
     if gpu:
         torch.cuda.synchronize()
@@ -223,7 +225,7 @@ def _delivered(loader, to_device: bool, gpu: bool, batches: int, batch_bytes: in
         if to_device:
             x = x.to("cuda", non_blocking=True)
         n += 1
-        if n == batches or out_of_time(t0, n, max_seconds):
+        if enough(n, time.perf_counter() - t0, batches, MIN_SECONDS, max_seconds):
             break
     if gpu:
         torch.cuda.synchronize()
@@ -244,14 +246,18 @@ def _loader_row(data, dtype_name: str, nw: int, g, gpu: bool, batches: int, batc
     batch_bytes = batch_size * data[0].numel() * data.element_size()
 
     def make():
+        # Endless: each path takes what its warm-up and timing need.
         sampler = RandomSampler(Images(data), replacement=True,
-                                num_samples=batch_size * (batches + 10), generator=g)
+                                num_samples=batch_size * (1 << 30), generator=g)
         dl = DataLoader(Images(data), batch_size=batch_size, sampler=sampler,
                         num_workers=nw, pin_memory=gpu, persistent_workers=False)
         return dl
 
+    ahead = nw * 2 + 2  # the workers' prefetch_factor (2), the Loader's depth
+
     def measure(loader, to_device):
-        return _delivered(loader, to_device, gpu, batches, batch_bytes, max_seconds, timed)
+        return _delivered(loader, ahead, to_device, gpu, batches, batch_bytes, max_seconds,
+                          timed)
 
     row = {"dtype": dtype_name, "workers": nw, "batch_mb": batch_bytes / MB}
     timed: list = []  # batches each path timed
@@ -300,15 +306,16 @@ def format_loader_table(result: dict) -> str:
     where = ("to the GPU" if result["gpu"] else
              "to host batches (no GPU here: nothing is page-locked, and torch cannot pin, so "
              "the stock DataLoader ran with pin_memory=False)")
-    budget = (f" (or fewer, once {result['max_seconds']:g} s had passed)"
-              if result.get("max_seconds") else "")
+    budget = f" (up to {result['max_seconds']:g} s)" if result.get("max_seconds") else ""
     lines = [
-        f"Delivered {where}, GB/s; main-process CPU ms per batch in brackets. "
-        f"{result['batches']} batches{budget} of {result['batch_size']} images 3x224x224 "
-        "per path, random sampling.",
+        wrap(f"Delivered {where}, GB/s; main-process CPU ms per batch in brackets. At least "
+             f"{result['batches']} batches and {MIN_SECONDS:g} s{budget} of "
+             f"{result['batch_size']} images 3x224x224 timed per path, after those its workers "
+             f"made ahead; random sampling. Loader: fastpin.Loader copying; x stock: zero-copy "
+             f"/ {stock}; fallbacks: batches zero-copy's workers collated the ordinary way."),
         "",
-        f"| dtype | workers | batch | {stock} | fastpin.Loader | fastpin.Loader(zero_copy) | "
-        f"zero-copy / {stock} | worker fallbacks |",
+        f"| dtype | workers | batch | {stock} | Loader | Loader(zero_copy) | x stock | "
+        "fallbacks |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
@@ -322,7 +329,7 @@ def format_loader_table(result: dict) -> str:
         timed = ", ".join(f"{r['dtype']} {workers_label(r['workers'])} "
                           f"{'/'.join(map(str, r['batches_timed']))}"
                           for r in result["rows"] if r.get("batches_timed"))
-        lines += ["", f"Batches timed ({stock} / fastpin.Loader / zero-copy): {timed}."]
+        lines += ["", wrap(f"Batches timed ({stock} / fastpin.Loader / zero-copy): {timed}.")]
     return "\n".join(lines)
 
 
@@ -342,41 +349,61 @@ def _cell(x, fastest: float) -> str:
 
 # The pinning paths whose CPU-seconds per GB the pin table shows.
 _PIN_CPU = ("torch_pin_1", "torch_pin_n", "fastpin")
+_PIN_LABEL = {"torch_pin_1": "torch pin 1", "torch_pin_n": "torch pin N", "fastpin": "fastpin"}
+
+
+def _cpu_cell(cpu: dict, key: str) -> str:
+    return "n/a" if cpu.get(key) is None else f"{cpu[key]:.3f}"
 
 
 def format_pin_table(result: dict) -> str:
+    """Two narrow tables: GB/s of each path by size, then each pinning path's
+    CPU-seconds per GB; torch's pinning columns only where torch can pin."""
     n, fp = result["torch_threads"], result["fastpin_threads"]
-    lines = [
-        f"| batch | memcpy 1 thread | memcpy {n} threads (torch) | memcpy {fp} threads (pool) | "
-        f"torch pin 1 thread | torch pin {n} threads | fastpin ({fp} threads) | "
-        "fastpin / best memcpy | fastpin / torch pin 1 | "
-        f"CPU s/GB: torch pin 1 | torch pin {n} | fastpin |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    gpu = result["gpu"]
+    rate = [("memcpy_1", "memcpy 1"), ("memcpy_n", f"memcpy {n}"), ("memcpy_pool", f"pool {fp}")]
+    if gpu:
+        rate += [("torch_pin_1", "torch pin 1"), ("torch_pin_n", f"torch pin {n}")]
+    rate += [("fastpin", f"fastpin {fp}")]
+    pins = [k for k in _PIN_CPU if gpu or k == "fastpin"]
+    # Without a GPU only fastpin pins: its CPU s/GB is one more column.
+    lines = ["| batch | " + " | ".join(h for _, h in rate) + " | x memcpy |"
+             + (" x pin 1 |" if gpu else " CPU s/GB |"),
+             "|---:|" + "---:|" * (len(rate) + 2)]
     short = False
     for r in result["rows"]:
-        t1 = r.get("torch_pin_1")
         best = max(r["memcpy_n"], r["memcpy_pool"])
         fastest = max(r["memcpy_1"], best)
-        cells = [_cell(r.get(k), fastest) for k in
-                 ("memcpy_1", "memcpy_n", "memcpy_pool", "torch_pin_1", "torch_pin_n", "fastpin")]
+        cells = [_cell(r.get(k), fastest) for k, _ in rate]
         short = short or "too short*" in cells
+        cells.append(f"{r['fastpin'] / best:.2f}x")
         cpu = r.get("cpu_s_per_gb", {})
-        cpu_cells = ["n/a" if cpu.get(k) is None else f"{cpu[k]:.3f}" for k in _PIN_CPU]
-        lines.append(
-            f"| {r['size_mb']:g} MiB | {' | '.join(cells)} | {r['fastpin'] / best:.2f}x | "
-            f"{'n/a' if t1 is None else format(r['fastpin'] / t1, '.2f') + 'x'} | "
-            f"{' | '.join(cpu_cells)} |")
-    lines.append("")
-    lines.append("GB/s, median of repeated calls on the same patterned batch, the columns timed "
-                 "in five interleaved turns. CPU s/GB: the CPU time of every thread of this "
-                 "process over a path's timed calls (its copy threads, torch's threads, and "
-                 "any that spin waiting), per GB pinned.")
+        if gpu:
+            t1 = r.get("torch_pin_1")
+            cells.append("n/a" if not t1 else f"{r['fastpin'] / t1:.2f}x")
+        else:
+            cells.append(_cpu_cell(cpu, "fastpin"))
+        lines.append(f"| {r['size_mb']:g} MiB | " + " | ".join(cells) + " |")
+    if gpu:
+        lines += ["", "| batch | " + " | ".join(f"CPU s/GB: {_PIN_LABEL[k]}" for k in pins)
+                  + " |", "|---:|" + "---:|" * len(pins)]
+        for r in result["rows"]:
+            cpu = r.get("cpu_s_per_gb", {})
+            lines.append(f"| {r['size_mb']:g} MiB | "
+                         + " | ".join(_cpu_cell(cpu, k) for k in pins) + " |")
+    notes = [f"GB/s, median of repeated calls on the same patterned batch, the columns timed "
+             f"in five interleaved turns; memcpy N: torch's copy on N threads, pool: fastpin's "
+             f"copy threads into ordinary memory; x memcpy: fastpin over the faster "
+             f"multi-thread memcpy" + ("; x pin 1: over torch's pin on one thread "
+                                       "(DataLoader's pin thread)" if gpu else "") + ". "
+             "CPU s/GB: the CPU time of every thread of this process over a path's timed calls "
+             "(its copy threads, torch's threads, and any that spin waiting), per GB pinned"
+             + ("." if gpu else " (fastpin's).")]
     if short:
-        lines.append(f"* too short: its median call took over {_TOO_SHORT}x as long as the "
+        notes.append(f"* too short: its median call took over {_TOO_SHORT}x as long as the "
                      "row's fastest memcpy of the same bytes: a copy this short timed threads "
                      "waiting for a core (a busy machine), not copying; --json keeps the figure.")
-    if not result["gpu"]:
-        lines.append("No GPU: nothing is page-locked here; torch cannot pin without an "
-                     "accelerator, so its pin rows are n/a and fastpin copies into ordinary memory.")
-    return "\n".join(lines)
+    if not gpu:
+        notes.append("Torch cannot pin without an accelerator (its columns are left out), and "
+                     "without a GPU fastpin copies into ordinary memory: nothing is page-locked.")
+    return "\n".join(lines + [""] + [wrap(t) for t in notes])

@@ -2,7 +2,9 @@
 
 PATHS maps each path's name to its PathInfo: the label and description that
 --list, --path and the tables show, what it needs (a GPU, a GPU to deliver to),
-and its factory, which stands under its description. The factory gets a
+and its factory, which stands under its description. The report's summary
+shows every path that delivers to the GPU (cuda_target=True) and those marked
+headline=True, beside the stock path. The factory gets a
 PathRun (the loader factory, where batches go, the arena to use) and returns
 the iterator of delivered batches, noting on the PathRun the arena and the
 fastpin.Loader it made. compare() and the training case both run paths
@@ -151,10 +153,32 @@ class PathRun:
     loader: Any = None                   # set by the factory: its fastpin.Loader, if any
     pool: Any = None                     # set by install's: the shared pool of its workers
     consumer: Any = dataclasses.field(init=False, default=None)  # the target's current stream
+    made: list = dataclasses.field(init=False, default_factory=list)  # what factory made
 
     def __post_init__(self):
         if self.target is not None:
             self.consumer = torch.cuda.current_stream(self.target)
+        # Every loader a path's factory makes is noted, whatever the path, so the
+        # runner knows how many batches its workers make ahead (prefetched()).
+        make, made = self.factory, self.made
+
+        def noted(pin_memory: bool) -> Iterable:
+            loader = make(pin_memory)
+            made.append(loader)
+            return loader
+
+        self.factory = noted
+
+    def prefetched(self) -> int:
+        """Batches the path's source can hold ready before the loop asks for them:
+        each loader's workers x prefetch_factor (a DataLoader's, or any source's
+        that has them), and `depth` for what a fastpin.Loader or prefetcher holds."""
+        ahead = 0
+        for loader in self.made:
+            workers = getattr(loader, "num_workers", 0) or 0
+            if isinstance(workers, int) and workers > 0:
+                ahead += workers * (getattr(loader, "prefetch_factor", None) or 2)
+        return ahead + self.depth
 
     def own_arena(self) -> Any:
         """An arena for this path alone: of `capacity` bytes, or (None) one that sizes
@@ -175,22 +199,35 @@ class PathInfo:
     name: str
     label: str
     what: str
-    needs_cuda_target: bool   # delivers to the GPU only
+    needs_cuda_target: bool   # delivers to the GPU only (the summary shows every such path)
     needs_gpu: bool           # needs a GPU even to deliver host batches
     fastpin: bool
     make: Callable[[PathRun], Iterator] = dataclasses.field(repr=False, compare=False)
     torch_pinning: bool = False  # measures torch's own pinning (fastpin.install() lifted)
+    headline: bool = False    # in the summary though it does not deliver to the GPU alone
+    short: str = ""           # the summary's column heading (default: label)
+
+    @property
+    def in_summary(self) -> bool:
+        """The report's summary table shows this path: every path that delivers to
+        the GPU, and those marked headline."""
+        return self.headline or self.needs_cuda_target
+
+    @property
+    def heading(self) -> str:
+        return self.short or self.label
 
 
 PATHS: dict = {}
 
 
 def _path(name: str, label: str, what: str, *, cuda_target: bool = False, gpu: bool = False,
-          uses_fastpin: bool = False, torch_pinning: bool = False):
+          uses_fastpin: bool = False, torch_pinning: bool = False, headline: bool = False,
+          short: str = ""):
     """Registers the factory under it as path `name` (PATHS keeps this file's order)."""
     def register(make: Callable[[PathRun], Iterator]) -> Callable[[PathRun], Iterator]:
         PATHS[name] = PathInfo(name, label, what, cuda_target, gpu, uses_fastpin, make,
-                               torch_pinning)
+                               torch_pinning, headline, short)
         return make
     return register
 
@@ -203,14 +240,15 @@ def _pageable(run: PathRun) -> Iterator:
 
 @_path("pin_memory", "pin_memory=True",
        "DataLoader(pin_memory=True), torch's pin thread; batch.to(device, non_blocking=True)",
-       gpu=True, torch_pinning=True)
+       gpu=True, torch_pinning=True, short="stock")
 def _pin_memory(run: PathRun) -> Iterator:
     return plain(run.factory(True), run.target)
 
 
 @_path("prefetcher", "timm/Apex prefetcher",
        "DataLoader(pin_memory=True) under a side-stream prefetcher (timm PrefetchLoader, "
-       "Apex data_prefetcher)", cuda_target=True, gpu=True, torch_pinning=True)
+       "Apex data_prefetcher)", cuda_target=True, gpu=True, torch_pinning=True,
+       short="prefetcher")
 def _prefetcher(run: PathRun) -> Iterator:
     return plain(SideStreamPrefetcher(run.factory(True), run.target), None)
 
@@ -234,7 +272,7 @@ def _loader_host(run: PathRun) -> Iterator:
 
 @_path("loader_cuda", "Loader(device=cuda)",
        "fastpin.Loader(loader, device='cuda'): copied on a side stream", cuda_target=True,
-       gpu=True, uses_fastpin=True)
+       gpu=True, uses_fastpin=True, short="Loader copy")
 def _loader_cuda(run: PathRun) -> Iterator:
     run.loader = fastpin.Loader(no_pin(run.factory(False)), device=run.target, depth=run.depth,
                                 arena=run.own_arena(), zero_copy=False)
@@ -243,7 +281,7 @@ def _loader_cuda(run: PathRun) -> Iterator:
 
 @_path("zero_copy", "Loader(zero_copy)",
        "fastpin.Loader(loader, zero_copy=True): workers collate into the shared pinned "
-       "arena", uses_fastpin=True)
+       "arena", uses_fastpin=True, headline=True, short="Loader")
 def _zero_copy(run: PathRun) -> Iterator:
     loader = no_pin(run.factory(False))
     if not isinstance(loader, torch.utils.data.DataLoader):
@@ -265,7 +303,8 @@ def _zero_copy(run: PathRun) -> Iterator:
 
 @_path("install", "install()",
        "DataLoader(pin_memory=True) after fastpin.install(): workers collate into the shared "
-       "pinned arena, the pin thread hands the batch over; then .to()", uses_fastpin=True)
+       "pinned arena, the pin thread hands the batch over; then .to()", uses_fastpin=True,
+       headline=True)
 def _install(run: PathRun) -> Iterator:
     loader = run.factory(True)
     if not isinstance(loader, torch.utils.data.DataLoader):

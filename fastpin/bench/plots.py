@@ -26,7 +26,7 @@ def _as_results(obj: Any) -> list:
 
 
 def _panel(ax, res: Results, metric: str, colors: dict, first_row: bool, first_col: bool) -> None:
-    rows = res.rows
+    rows = [row for row in res.rows if not row.unavailable]  # as the tables leave them out
     ys = list(range(len(rows)))
     values = [getattr(row, metric) if row.ok and getattr(row, metric) is not None else 0.0
               for row in rows]
@@ -66,7 +66,7 @@ def plot(results: Any, path: Optional[str] = None, *,
     if bad:
         raise ValueError(f"unknown metrics {bad}; choose from {list(METRICS)}")
     colors = {p: _COLORS[i % len(_COLORS)] for i, p in enumerate(PATHS)}
-    most = max(len(g.rows) for g in groups)
+    most = max(len([r for r in g.rows if not r.unavailable]) for g in groups)
     fig = Figure(figsize=(3.6 * len(metrics) + 1.6, (0.32 * most + 0.9) * len(groups) + 0.6),
                  layout="constrained")
     axes = fig.subplots(len(groups), len(metrics), squeeze=False)

@@ -17,16 +17,26 @@ from .host import MB, machine
 from .paths import PATHS, PathRun, PathSkipped, gpu_usable, target_of, why_not
 from .procfs import children_cpu
 from .progress import Progress, reporter_for
-from .results import Results, Row, few_warning, too_few
+from .results import MIN_SECONDS, MIN_TIMED, Results, Row, few_warning, too_few
 
 log = logging.getLogger("fastpin.bench")
 
-MIN_TIMED = 5  # batches a path times at least, whatever its time budget
+
+def enough(n: int, elapsed: float, batches: int, min_seconds: float,
+           max_seconds: Optional[float]) -> bool:
+    """Timing may stop: `batches` batches and `min_seconds` timed; or, past a time
+    budget (max_seconds), the fewest that still mean something."""
+    if n >= batches and elapsed >= min_seconds:
+        return True
+    return (bool(max_seconds) and elapsed >= max(max_seconds, min_seconds)
+            and n >= min(batches, MIN_TIMED))
 
 
-def out_of_time(t0: float, n: int, max_seconds: Optional[float]) -> bool:
-    """A path's time budget is spent (it always times a few batches first)."""
-    return bool(max_seconds) and n >= MIN_TIMED and time.perf_counter() - t0 >= max_seconds
+def warmup_for(run: PathRun, warmup: int) -> int:
+    """Untimed batches after the first: `warmup`, and at least every batch the
+    path's source holds ahead of it (a batch the workers made while the loop
+    waited for the first comes at once, not at the rate they make them)."""
+    return max(warmup, run.prefetched())
 
 
 _cycles_per_ms: dict = {}
@@ -91,10 +101,10 @@ class _Timed:
     n: int
     nbytes: int
     largest: int
-    start: float         # perf_counter() when timing began
     wall: float
     cpu: float           # this process
     workers_cpu: float   # its child processes
+    ran_out: bool        # the loader ended before enough() was
 
 
 def _sync(run: PathRun) -> None:
@@ -102,31 +112,50 @@ def _sync(run: PathRun) -> None:
         run.consumer.synchronize()
 
 
+def _batches(n: int) -> str:
+    return f"{n} batch" if n == 1 else f"{n} batches"
+
+
 def _warm_up(row: Row, feed: Any, run: PathRun, step: Optional[Callable], warmup: int,
-             reporter: Progress, t0: float) -> None:
-    """The first batch (row.first_batch_s: seconds from t0) and `warmup` more, untimed."""
+             batches: int, reporter: Progress, t0: float) -> None:
+    """The first batch (row.first_batch_s: seconds from t0) and row.warmup more
+    (warmup_for: what the source prefetched, at least `warmup`), untimed."""
+    got = 0
+
     def one() -> Any:
         batch = next(feed)
         if step is not None:
             step(batch)
-        reporter.update(1)
+        if got <= warmup:  # the progress total counts 1 + warmup (the rest is extra)
+            reporter.update(1)
         return batch
 
     try:
         batch = one()
+        got = 1
         _sync(run)
         row.first_batch_s = time.perf_counter() - t0
-        for _ in range(warmup):
+        # Known once the source is made and started: its workers and depth.
+        row.warmup = warmup_for(run, warmup)
+        for _ in range(row.warmup):
             batch = one()
+            got += 1
         del batch
     except StopIteration:
-        raise _RanOut("the loader ran out during warm-up") from None
+        need = f"1 + {row.warmup if got else warmup}"
+        total = 1 + (row.warmup if got else warmup) + batches
+        raise _RanOut(f"the loader ran out during warm-up: it gave {_batches(got)}; the path "
+                      f"needs {need} untimed and at least {batches} timed ({total} in all)"
+                      ) from None
     _sync(run)
 
 
-def _time_batches(feed: Any, run: PathRun, step: Optional[Callable], batches: int,
-                  max_seconds: Optional[float], reporter: Progress) -> _Timed:
+def _time_batches(row: Row, feed: Any, run: PathRun, step: Optional[Callable], batches: int,
+                  min_seconds: float, max_seconds: Optional[float],
+                  reporter: Progress) -> _Timed:
+    """Batches until enough() (or the loader's end), timed from the end of the warm-up."""
     n = nbytes = largest = 0
+    ran_out = True
     t1, c1, w1 = time.perf_counter(), time.process_time(), children_cpu()
     for batch in feed:
         size = batch_nbytes(batch)
@@ -135,18 +164,22 @@ def _time_batches(feed: Any, run: PathRun, step: Optional[Callable], batches: in
         if step is not None:
             step(batch)
         n += 1
-        reporter.update(1)
-        if n == batches or out_of_time(t1, n, max_seconds):
+        if n <= batches:
+            reporter.update(1)
+        if enough(n, time.perf_counter() - t1, batches, min_seconds, max_seconds):
+            ran_out = False
             break
     batch = None  # noqa: F841 - the last batch is not held while the stream drains
     _sync(run)
     wall, cpu = time.perf_counter() - t1, time.process_time() - c1
     if n == 0:
-        raise _RanOut("the loader ran out after the warm-up")
-    return _Timed(n, nbytes, largest, t1, wall, cpu, children_cpu(w1))
+        raise _RanOut(f"the loader ran out after the warm-up: it gave "
+                      f"{_batches(1 + row.warmup)}; the path needs 1 + {row.warmup} untimed and "
+                      f"at least {batches} timed ({1 + row.warmup + batches} in all)")
+    return _Timed(n, nbytes, largest, wall, cpu, children_cpu(w1), ran_out)
 
 
-def _figures(row: Row, t: _Timed, batches: int, max_seconds: Optional[float]) -> None:
+def _figures(row: Row, t: _Timed, batches: int) -> None:
     row.batches = t.n
     row.batch_mb = t.nbytes / t.n / MB
     row.gbps = t.nbytes / t.wall / 1e9
@@ -154,7 +187,7 @@ def _figures(row: Row, t: _Timed, batches: int, max_seconds: Optional[float]) ->
     row.cpu_ms = t.cpu / t.n * 1e3
     if t.nbytes:
         row.cpu_s_per_gb = (t.cpu + t.workers_cpu) / (t.nbytes / 1e9)
-    if t.n < batches and not out_of_time(t.start, t.n, max_seconds):
+    if t.ran_out and t.n < batches:
         row.reason = f"the loader ran out after {t.n} of {batches} batches"
 
 
@@ -187,7 +220,7 @@ def _memory(row: Row, run: PathRun, gpu: bool, fallbacks0: int) -> None:
 
 def run_path(path: str, run: PathRun, *, batches: int, warmup: int,
              step: Optional[Callable[[Any], Any]], reporter: Progress,
-             max_seconds: Optional[float] = None) -> Row:
+             min_seconds: float = MIN_SECONDS, max_seconds: Optional[float] = None) -> Row:
     """One path over a fresh loader: its Row, 'failed' or 'skipped' with the
     reason where it could not be measured (one path failing ends no others)."""
     info = PATHS[path]
@@ -204,10 +237,10 @@ def run_path(path: str, run: PathRun, *, batches: int, warmup: int,
     try:
         t0 = time.perf_counter()
         feed = info.make(run)
-        _warm_up(row, feed, run, step, warmup, reporter, t0)
-        timed = _time_batches(feed, run, step, batches, max_seconds, reporter)
+        _warm_up(row, feed, run, step, warmup, batches, reporter, t0)
+        timed = _time_batches(row, feed, run, step, batches, min_seconds, max_seconds, reporter)
         run.batch_bytes = max(run.batch_bytes, timed.largest)
-        _figures(row, timed, batches, max_seconds)
+        _figures(row, timed, batches)
         _memory(row, run, gpu, fallbacks0)
         return row
     except PathSkipped as exc:
@@ -237,7 +270,7 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
             step: Optional[Callable[[Any], Any]] = None, capacity: Optional[int] = None,
             batch_bytes: Optional[int] = None, depth: int = 2, progress: Any = True,
             name: str = "compare", title: str = "",
-            max_seconds: Optional[float] = None) -> Results:
+            max_seconds: Optional[float] = None, min_seconds: float = MIN_SECONDS) -> Results:
     """Run your own DataLoader through every pinning path and measure each.
 
     loader_factory(pin_memory: bool) returns a fresh loader each call (a
@@ -245,12 +278,21 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
         DataLoader whose workers have not started). Every path iterates its own:
         pin_memory=True for torch's pinning paths, False for fastpin's. Make it
         yield the same batches each time (a seeded sampler) for a like-for-like run,
-        and at least 1 + warmup + batches of them.
+        and enough of them (a sampler with replacement and a large num_samples
+        never runs out: each path takes only what it needs).
     paths: names from fastpin.bench.PATHS (default: all, in that order); those that
-        cannot run here are kept as rows with status 'skipped' and the reason.
-    batches / warmup: batches timed per path, after the first one and `warmup` more.
-    max_seconds: a time budget per path: it stops timing once this much has passed
-        (after at least 5 batches), so slow paths do not hold up a run. None: none.
+        cannot run here (no GPU, or a host target) are kept as rows with status
+        'skipped', the reason and unavailable=True; the tables leave them out.
+    warmup: untimed batches after the first: at least this many, and at least every
+        batch the path's source makes ahead (each DataLoader's num_workers x
+        prefetch_factor, plus `depth`): a batch made while the loop waited for the
+        first comes at once, and timing it would time the burst, not the steady state.
+    batches / min_seconds: then each path times at least `batches` batches and at
+        least `min_seconds` seconds (a row with fewer than 20 batches or under a
+        second is marked "too few": its figures mean little).
+    max_seconds: a time budget per path: it stops timing once this much has passed,
+        even short of `batches` (never short of 20 batches or min_seconds), so slow
+        paths do not hold up a run. None: none.
     device: 'auto' (the current GPU, else the host), a CUDA device, or None/'host':
         where batches are delivered. Without a GPU the GPU paths are skipped.
     compute_ms: simulated compute per step: a GPU kernel that spins that long on the
@@ -277,12 +319,15 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
         raise ValueError(f"unknown paths {unknown}; choose from {list(PATHS)}")
     if batches < 1 or warmup < 0:
         raise ValueError("batches must be at least 1 and warmup at least 0")
+    if not min_seconds >= 0 or min_seconds == float("inf"):
+        raise ValueError(f"min_seconds must be a finite number of seconds >= 0, not "
+                         f"{min_seconds!r}")
     target, host_reason = target_of(device)
     if step is None and compute_ms > 0:
         step = gpu_compute(compute_ms, target) if target is not None else host_compute(compute_ms)
     results = Results(rows=[], name=name, title=title, device=str(target or "host"),
                       batches=batches, warmup=warmup, compute_ms=compute_ms,
-                      max_seconds=max_seconds, machine=machine())
+                      max_seconds=max_seconds, min_seconds=min_seconds, machine=machine())
     runnable = [p for p in paths if why_not(p, target, host_reason) is None]
     reporter, own = reporter_for(progress, len(runnable) * (1 + warmup + batches), name)
     capacity = capacity or get_capacity()   # None: each path's arena sizes itself
@@ -291,7 +336,7 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
         for path in paths:
             why = why_not(path, target, host_reason)
             if why is not None:
-                results.rows.append(Row(path, status="skipped", reason=why))
+                results.rows.append(Row(path, status="skipped", reason=why, unavailable=True))
                 continue
             run = PathRun(loader_factory, target, depth=depth, capacity=capacity,
                           batch_bytes=seen["batch_bytes"])
@@ -310,7 +355,8 @@ def _measured(path: str, run: PathRun, results: Results, step: Optional[Callable
     reporter.stage(f"{name}: {label}")
     n0 = reporter.n
     row = run_path(path, run, batches=results.batches, warmup=results.warmup, step=step,
-                   reporter=reporter, max_seconds=results.max_seconds)
+                   reporter=reporter, min_seconds=results.min_seconds,
+                   max_seconds=results.max_seconds)
     reporter.skip(max(0, (1 + results.warmup + results.batches) - (reporter.n - n0)))
     if not row.ok:
         log.info("fastpin.bench: %s %s: %s", label, row.status, row.reason)

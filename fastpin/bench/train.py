@@ -11,14 +11,16 @@ memory, batch 256, in two forms:
   uint8     the workers hand over uint8 images; the step normalises them on the GPU
   float32   the workers normalise each image to float32 (4x the bytes to move)
 
-Paths (the workload cases' own, from fastpin.bench.PATHS): pageable, pin_memory
-(DataLoader's pin thread), prefetcher (timm/Apex side stream), loader_host
-(fastpin.Loader, device=None), loader_cuda (fastpin.Loader, device="cuda"),
-zero_copy (fastpin.Loader, zero_copy=True), install (DataLoader(pin_memory=True) after
-fastpin.install()), each with fastpin's default settings:
-the default arena, and a shared arena that sizes itself. Figures: images/s
-and the fraction of the upper bound. Skipped, with the reason, where there is no
-GPU or neither torchvision nor timm is importable.
+Paths (the workload cases' own, from fastpin.bench.PATHS; --path takes any of
+them): by default the stock path (pin_memory: DataLoader's pin thread) and
+those of the report's summary (the timm/Apex prefetcher, install(), every path
+that delivers to the GPU, fastpin.Loader with zero-copy), each with fastpin's
+default settings: the default arena, and a shared arena that sizes itself.
+Each path is timed as the workload cases are: untimed steps first, at least the
+batches its workers make ahead (num_workers x prefetch_factor, and the depth),
+then at least --steps steps and a second. Figures: images/s and the fraction of
+the upper bound. Skipped, with the reason, where there is no GPU or neither
+torchvision nor timm is importable.
 """
 from __future__ import annotations
 
@@ -29,11 +31,19 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from . import paths as _paths
 from ._optional import Dataset, torch
+from .results import MIN_SECONDS, MIN_TIMED, wrap
+from .workloads import ENDLESS
 
-__all__ = ["PATHS", "format_train_table", "resnet18_maker", "train_table", "why_not"]
+__all__ = ["PATHS", "default_paths", "format_train_table", "resnet18_maker", "train_table",
+           "why_not"]
 
-PATHS = ("pageable", "pin_memory", "prefetcher", "loader_host", "loader_cuda", "zero_copy",
-         "install")
+
+def default_paths() -> tuple:
+    """The stock path and those of the report's summary, in the registry's order."""
+    return tuple(p for p, info in _paths.PATHS.items() if p == "pin_memory" or info.in_summary)
+
+
+PATHS = default_paths()
 _MEAN = (0.485, 0.456, 0.406)
 _STD = (0.229, 0.224, 0.225)
 
@@ -121,7 +131,10 @@ def _run(dataset, *, batch_size: int, workers: int, device: torch.device,
     cuda = device.type == "cuda"
 
     def dl(pin: bool):
-        return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True,
+        # Sampled with replacement, endless: each path takes what it needs.
+        sampler = torch.utils.data.RandomSampler(dataset, replacement=True,
+                                                 num_samples=batch_size * ENDLESS)
+        return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                                            num_workers=workers, pin_memory=pin and cuda,
                                            drop_last=True, persistent_workers=False)
 
@@ -130,18 +143,26 @@ def _run(dataset, *, batch_size: int, workers: int, device: torch.device,
 
 
 def _images_per_s(trainer: _Trainer, batches: Iterable, steps: int, warmup: int,
-                  batch_size: int) -> float:
-    """Images/s over `steps` training steps, after `warmup` untimed ones."""
+                  batch_size: int, min_seconds: float = MIN_SECONDS,
+                  run: Optional[_paths.PathRun] = None) -> float:
+    """Images/s over at least `steps` training steps and `min_seconds`, after
+    `warmup` untimed ones, and at least what the path's source made ahead (run)."""
     it = iter(batches)
     try:
-        for _ in range(warmup):
+        trainer.step(next(it))  # the source made and started: its workers are known
+        ahead = run.prefetched() if run is not None else 0
+        for _ in range(max(warmup, ahead)):
             trainer.step(next(it))
         _sync(trainer.device)
         t0 = time.perf_counter()
-        for _ in range(steps):
+        n = 0
+        # Steps the GPU has queued when the clock says enough are timed too: the
+        # last synchronisation waits for them.
+        while n < steps or time.perf_counter() - t0 < min_seconds:
             trainer.step(next(it))
+            n += 1
         _sync(trainer.device)
-        return steps * batch_size / (time.perf_counter() - t0)
+        return n * batch_size / (time.perf_counter() - t0)
     finally:
         _paths.shutdown(it)
 
@@ -155,11 +176,12 @@ def _bound(dataset, batch_size: int, device: torch.device):
 
 
 def _path_ips(path: str, trainer: _Trainer, dataset, workers: int, steps: int, warmup: int,
-              batch_size: int, bound: float) -> dict:
+              batch_size: int, bound: float, min_seconds: float) -> dict:
     """One path's images/s and fraction of the bound, or the error that ended it."""
     run = _run(dataset, batch_size=batch_size, workers=workers, device=trainer.device)
     try:
-        ips = _images_per_s(trainer, _paths.PATHS[path].make(run), steps, warmup, batch_size)
+        ips = _images_per_s(trainer, _paths.PATHS[path].make(run), steps, warmup, batch_size,
+                            min_seconds, run)
         out = {"ips": ips, "of_bound": ips / bound}
         if path == "zero_copy":
             out["fallbacks"] = run.loader.stats()["fallbacks"]
@@ -170,13 +192,16 @@ def _path_ips(path: str, trainer: _Trainer, dataset, workers: int, steps: int, w
         run.loader = run.arena = run.pool = None
 
 
-def train_table(workers: Sequence[int] = (8, 15), steps: int = 50, warmup: int = 5,
+def train_table(workers: Sequence[int] = (15,), steps: int = MIN_TIMED, warmup: int = 5,
                 batch_size: int = 256, dtypes: Sequence[str] = ("uint8", "float32"),
                 paths: Sequence[str] = PATHS, device: Any = None, images: int = 512,
-                size: int = 224, model: Optional[Callable[[], torch.nn.Module]] = None) -> dict:
+                size: int = 224, model: Optional[Callable[[], torch.nn.Module]] = None,
+                min_seconds: float = MIN_SECONDS) -> dict:
     """Images/s training resnet18 through each path, and the fraction of the upper
-    bound (the same steps with one batch already on the GPU). `device` (default:
-    the current GPU) and `model` (default: resnet18) are there for tests."""
+    bound (the same steps with one batch already on the GPU): at least `steps`
+    steps and `min_seconds` timed, after `warmup` untimed and what the workers
+    made ahead. `device` (default: the current GPU) and `model` (default:
+    resnet18) are there for tests."""
     device = torch.device(device) if device is not None else torch.device(
         "cuda", torch.cuda.current_device())
     make = model or resnet18_maker()
@@ -187,44 +212,48 @@ def train_table(workers: Sequence[int] = (8, 15), steps: int = 50, warmup: int =
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (images, 3, size, size), dtype=torch.uint8, generator=g)
     labels = torch.randint(0, 1000, (images,), generator=g)
-    n = batch_size * (steps + warmup + 2)
     trainer = _Trainer(make, device)
     rows = []
     for dtype in dtypes:
-        dataset = _Images(data, labels, n, normalise=dtype == "float32")
+        dataset = _Images(data, labels, images, normalise=dtype == "float32")
         bound = _images_per_s(trainer, _bound(dataset, batch_size, device), steps, warmup,
-                              batch_size)
+                              batch_size, min_seconds)
         batch_mb = batch_size * 3 * size * size * (4 if dtype == "float32" else 1) / 1e6
         for nw in workers:
             row: dict = {"dtype": dtype, "workers": nw, "batch_mb": batch_mb, "bound_ips": bound,
                    "paths": {}}
             for path in paths:
                 row["paths"][path] = _path_ips(path, trainer, dataset, nw, steps, warmup,
-                                               batch_size, bound)
+                                               batch_size, bound, min_seconds)
             rows.append(row)
     return {"device": str(device), "steps": steps, "warmup": warmup, "batch_size": batch_size,
-            "paths": list(paths), "rows": rows}
+            "min_seconds": min_seconds, "paths": list(paths), "rows": rows}
 
 
 def format_train_table(result: dict) -> str:
-    """Markdown: one row per dtype and worker count, images/s (fraction of the bound)."""
-    paths = result["paths"]
-    lines = [f"resnet18, bf16 autocast, channels_last, SGD; batch {result['batch_size']}, "
-             f"{result['steps']} steps timed after {result['warmup']}; images/s "
-             "(fraction of the upper bound: the same steps with the batch already on the GPU)",
+    """Markdown: one row per path (the upper bound first), one column per dtype and
+    worker count: images/s (fraction of the bound)."""
+    least = f"at least {result['steps']} steps"
+    if result.get("min_seconds"):
+        least += f" and {result['min_seconds']:g} s"
+    rows = result["rows"]
+    lines = [wrap(f"resnet18, bf16 autocast, channels_last, SGD; batch {result['batch_size']}; "
+                  f"{least} timed per path, after at least {result['warmup']} untimed and the "
+                  "batches its workers made ahead. Images/s, and in brackets the fraction of "
+                  "the upper bound (the same steps with the batch already on the GPU)."),
              "",
-             "| dtype | workers | batch MB | upper bound | " + " | ".join(paths) + " |",
-             "|---|---|---|---|" + "---|" * len(paths)]
-    for r in result["rows"]:
+             "| path | " + " | ".join(f"{r['dtype']} ({r['batch_mb']:.0f} MB), "
+                                      f"{r['workers']} workers" for r in rows) + " |",
+             "|---|" + "---:|" * len(rows),
+             "| upper bound | " + " | ".join(f"{r['bound_ips']:.0f}" for r in rows) + " |"]
+    for p in result["paths"]:
         cells = []
-        for p in paths:
+        for r in rows:
             v = r["paths"].get(p, {})
-            if "ips" in v:
-                cells.append(f"{v['ips']:.0f} ({v['of_bound']:.2f})")
-            else:
-                cells.append(f"failed: {v.get('error', 'not run')}")
-        lines.append(f"| {r['dtype']} | {r['workers']} | {r['batch_mb']:.1f} | "
-                     f"{r['bound_ips']:.0f} | " + " | ".join(cells) + " |")
+            cells.append(f"{v['ips']:.0f} ({v['of_bound']:.2f})" if "ips" in v
+                         else f"failed: {v.get('error', 'not run')}")
+        label = _paths.PATHS[p].label if p in _paths.PATHS else p
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -234,16 +263,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .__main__ import _number  # python -m fastpin.bench's own checks
 
     parser.add_argument("--workers", type=_number(int, 0), action="append",
-                        help="DataLoader workers (repeatable; default 8 and 15)")
-    parser.add_argument("--steps", type=_number(int, 1), default=50, help="steps timed per path")
+                        help="DataLoader workers (repeatable; default 15)")
+    parser.add_argument("--steps", type=_number(int, 1), default=MIN_TIMED,
+                        help=f"steps timed per path at least (and {MIN_SECONDS:g} s; "
+                             f"default {MIN_TIMED})")
     parser.add_argument("--warmup", type=_number(int, 0), default=5, help="untimed steps first")
-    parser.add_argument("--path", action="append", choices=PATHS, help="a path (repeatable)")
+    parser.add_argument("--path", action="append", choices=tuple(_paths.PATHS),
+                        help=f"a path (repeatable; default: {', '.join(PATHS)})")
     args = parser.parse_args(argv)
     why = why_not()
     if why is not None:
         sys.stdout.write(why + "\n")
         return 0
-    result = train_table(workers=args.workers or (8, 15), steps=args.steps, warmup=args.warmup,
+    result = train_table(workers=args.workers or (15,), steps=args.steps, warmup=args.warmup,
                          paths=args.path or PATHS)
     sys.stdout.write(format_train_table(result) + "\n")
     return 0

@@ -12,7 +12,7 @@ from ._optional import Dataset, torch
 from .host import MB, available_memory, gb, shm_free
 from .paths import PATHS, target_of, why_not
 from .progress import Progress
-from .results import Results, Row, workers_label
+from .results import MIN_SECONDS, Results, Row, workers_label
 from .runner import compare
 
 
@@ -124,6 +124,9 @@ def _clips(n: int, shape: tuple, dtype: torch.dtype, seed: int) -> Clips:
     return Clips(torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=g).to(dtype))
 
 
+ENDLESS = 1 << 40   # batches a workload's sampler gives: never the end of a path
+
+
 @dataclasses.dataclass
 class Workload:
     """A case of the suite: a dataset and how DataLoader batches it."""
@@ -134,12 +137,14 @@ class Workload:
     batch_bytes: int                      # the largest batch, bytes
     dataset_bytes: int
     make: Callable[[], Any]               # -> the dataset (allocates it)
-    batches: tuple                        # timed batches: (with a GPU, without, --quick)
     collate: Optional[Callable] = None
     batched: bool = False                 # the dataset reads a list of indices at once
 
-    def factory(self, dataset: Any, workers: int, n_batches: int, seed: int = 0):
-        """loader_factory(pin_memory) for compare(): the same batches every call."""
+    def factory(self, dataset: Any, workers: int, n_batches: int = ENDLESS, seed: int = 0):
+        """loader_factory(pin_memory) for compare(): the same batches every call,
+        sampled with replacement (the samples cycle), `n_batches` of them (by
+        default more than any path takes: each takes what its warm-up and timing
+        need, however fast it is)."""
         from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
         def make(pin_memory: bool) -> DataLoader:
@@ -161,24 +166,23 @@ _CLIP_F16 = 3 * 16 * 112 * 112 * 2         # float16 3x16x112x112
 _WINDOW = 4096 * 4 * 3                     # int32 ids, mask, labels of 4096 tokens
 CASES: dict = {w.name: w for w in [
     Workload("images_u8", "uint8 images 3x224x224, batch 256", 256, 256 * (IMAGE_BYTES + 8),
-             1024 * IMAGE_BYTES, lambda: _images(torch.uint8, 1024), (300, 40, 4)),
+             1024 * IMAGE_BYTES, lambda: _images(torch.uint8, 1024)),
     Workload("images_f32", "float32 images 3x224x224, batch 256", 256,
              256 * (IMAGE_BYTES * 4 + 8), 512 * IMAGE_BYTES * 4,
-             lambda: _images(torch.float32, 512), (100, 16, 2)),
+             lambda: _images(torch.float32, 512)),
     Workload("tokens", "int64 token sequences of 2k-8k tokens, batch 8", 8, 8 * 8192 * 8 * 3,
-             512 * 5120 * 8, lambda: Tokens(512, 2048, 8192), (500, 60, 10),
+             512 * 5120 * 8, lambda: Tokens(512, 2048, 8192),
              collate=pad_collate),
     Workload("recsys", "recommendation batch: dict of 50 feature tensors, 4096 rows", 4096,
              4096 * (40 * 8 + 9 * 64 + 4), (1 << 16) * (40 * 8 + 9 * 64 + 4),
-             lambda: Recsys(1 << 16), (500, 60, 10), batched=True),
+             lambda: Recsys(1 << 16), batched=True),
     Workload("video", "float32 video clips 3x32x224x224, batch 16", 16, 16 * (_CLIP + 8),
-             8 * _CLIP, lambda: _clips(8, (3, 32, 224, 224), torch.float32, 17), (40, 8, 2)),
+             8 * _CLIP, lambda: _clips(8, (3, 32, 224, 224), torch.float32, 17)),
     Workload("clips_f16", "float16 video clips 3x16x112x112, batch 32", 32, 32 * (_CLIP_F16 + 8),
-             128 * _CLIP_F16, lambda: _clips(128, (3, 16, 112, 112), torch.float16, 23),
-             (300, 40, 4)),
+             128 * _CLIP_F16, lambda: _clips(128, (3, 16, 112, 112), torch.float16, 23)),
     Workload("token_windows", "int32 token windows of 4096 tokens (input_ids, attention_mask, "
              "labels), batch 16", 16, 16 * _WINDOW, 1024 * _WINDOW,
-             lambda: TokenWindows(1024, 4096), (500, 60, 10)),
+             lambda: TokenWindows(1024, 4096)),
 ]}
 
 
@@ -217,7 +221,8 @@ def case_room(w: Workload, workers: int, depth: int, target: Optional[Any]) -> O
 
 def run_case(w: Workload, *, workers: int, batches: int, warmup: int, device: Any,
              compute_ms: float, paths: Optional[Sequence[str]], depth: int = 2,
-             progress: Any = True, max_seconds: Optional[float] = None) -> Results:
+             progress: Any = True, max_seconds: Optional[float] = None,
+             min_seconds: float = MIN_SECONDS) -> Results:
     """One workload case through every path; the case is skipped (all rows, with
     the reason) when this machine has too little memory for it. progress: as
     compare() takes it (a bool, or the Progress of a whole suite)."""
@@ -234,13 +239,12 @@ def run_case(w: Workload, *, workers: int, batches: int, warmup: int, device: An
                        workers=workers, batches=batches, warmup=warmup, compute_ms=compute_ms,
                        notes=[f"case skipped: {why}"])
     dataset = w.make()
-    n_batches = 1 + warmup + batches + (2 * workers + depth + 4)
     try:
-        res = compare(w.factory(dataset, workers, n_batches), paths=paths, batches=batches,
+        res = compare(w.factory(dataset, workers), paths=paths, batches=batches,
                       warmup=warmup, device=device, compute_ms=compute_ms,
                       capacity=copy_arena_bytes(w, depth), batch_bytes=w.batch_bytes,
                       depth=depth, progress=progress, name=w.name, title=title,
-                      max_seconds=max_seconds)
+                      max_seconds=max_seconds, min_seconds=min_seconds)
     finally:
         del dataset
         gc.collect()
