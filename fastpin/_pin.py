@@ -71,7 +71,7 @@ def copy_tuning() -> dict:
     """How pin_memory copies now: the pool's knobs (see tune_copy), its threads,
     and spinners (the most of them that may spin at once: the CPUs it may use,
     less one for the caller)."""
-    out = _C.copy_tuning()
+    out: dict = dict(_C.copy_tuning())
     out["torch_copy"] = _torch_copy
     return out
 
@@ -286,12 +286,11 @@ def _pin_by_torch(data, arena, cuda: bool) -> Any:
     """pin_memory by torch's copy_ into views of one reserved block, for batches
     of _torch_copy's size; None: this batch goes the ordinary way (its size or
     its leaves, or the arena is full, whose policy the ordinary way applies)."""
-    leaves = _torch_leaves(data)
-    if leaves is None:
+    span, leaves = _torch_copy, _torch_leaves(data)
+    if span is None or leaves is None:
         return None
     total = sum(t.nbytes for t in leaves)
-    lo, hi = _torch_copy
-    if not lo <= total <= hi:
+    if not span[0] <= total <= span[1]:
         return None
     for t in leaves:
         if (not t.is_cpu or t.requires_grad or not t.is_contiguous() or t.is_conj()
