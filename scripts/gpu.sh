@@ -156,8 +156,8 @@ if [ "$what" = pin ]; then
     part=${1:-all}
     [ $# -gt 0 ] && shift
     if [ "$part" = all ] || [ "$part" = test ]; then
-        step timeout 420 make -C tests/c test asan tsan TESTS=test_copier
-        step timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_copier_spin.py
+        step timeout 480 make -C tests/c test asan tsan TESTS=test_copier
+        step timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_copier_spin.py
     fi
     if [ "$part" = all ] || [ "$part" = bench ]; then
         step timeout 420 env PYTHONPATH="$PWD" python3 benchmarks/pin_cutover.py --recommend "$@" \
