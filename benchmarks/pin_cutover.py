@@ -346,9 +346,10 @@ def main() -> None:
     plan = []  # (nbytes, kind, sources)
     for n in sizes:
         for kind in args.kinds:
-            count = 1 if kind == "hot" else max(2, min(pool_bytes // n, math.ceil(4 * llc / n)))
-            if kind == "cold" and n >= 4 * llc:
-                count = 1  # one source is 4x the LLC already: cold from call to call
+            # Cold: enough sources for 4x the LLC, as many as fit; one source (4x the
+            # LLC alone, or all that fits) is the hot row again.
+            needed = math.ceil(4 * llc / n)
+            count = 1 if kind == "hot" or needed <= 1 else max(1, min(pool_bytes // n, needed))
             plan.append((n, kind, [base[i * n:(i + 1) * n] for i in range(count)]))
     ncells = len(plan) * (len(settings) + (5 if gpu else 4))
 

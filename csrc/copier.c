@@ -106,7 +106,8 @@ struct fp_copier_s {
                               relaxed once per run (fp_copier_set_tuning) */
     int max_spin;          /* most workers spinning at once: the CPUs the
                               pool may use less one (the caller's), at most
-                              nworkers; copier->lock */
+                              nworkers; atomic (set_affinity), compared with
+                              `spinning` under copier->lock */
     pid_t pid;             /* process that started the pool; read-only */
     pthread_t *workers;    /* nworkers handles; create and destroy only */
 #ifdef FP_TEST
@@ -321,7 +322,8 @@ static void *fp_copier_worker(void *arg)
     pthread_mutex_lock(&c->lock);
     for (;;) {
         while (!c->stop && c->head == NULL) {
-            if (ready_until > 0 && fp_atomic_load_relaxed(&c->spinning) < c->max_spin &&
+            if (ready_until > 0 &&
+                fp_atomic_load_relaxed(&c->spinning) < fp_atomic_load_relaxed(&c->max_spin) &&
                 fp_now_ns() < ready_until) {
                 /* Moved but nothing left (the caller and others took it):
                  * spin on, to the same time. */
@@ -474,12 +476,9 @@ void fp_copier_get_tuning(const fp_copier_t *copier, fp_copier_tuning_t *t)
     t->chunk_min_spin = fp_atomic_load_relaxed(&copier->tuning.chunk_min_spin);
 }
 
-int fp_copier_spinners(fp_copier_t *copier)
+int fp_copier_spinners(const fp_copier_t *copier)
 {
-    pthread_mutex_lock(&copier->lock);
-    int n = copier->max_spin;
-    pthread_mutex_unlock(&copier->lock);
-    return n;
+    return fp_atomic_load_relaxed(&copier->max_spin);
 }
 
 int fp_copier_create(fp_copier_t **out, int threads)
@@ -679,9 +678,7 @@ int fp_copier_set_affinity(fp_copier_t *copier, const int *cpus, size_t count)
     if (status == FP_OK) {
         int cap = fp_copier_spin_cap(copier->nworkers, allowed);
         int whole = fp_copier_spin_cap(copier->nworkers, fp_cpu_count());
-        pthread_mutex_lock(&copier->lock);
-        copier->max_spin = cap < whole ? cap : whole;
-        pthread_mutex_unlock(&copier->lock);
+        fp_atomic_store_release(&copier->max_spin, cap < whole ? cap : whole);
     }
     return status;
 }

@@ -601,7 +601,7 @@ void fp_copier_set_streaming(fp_copier_t *copier, int on);
 int fp_copier_set_spin(fp_copier_t *copier, uint64_t ns);
 uint64_t fp_copier_spin_ns(const fp_copier_t *copier);
 /* The most pool threads that may spin at once. */
-int fp_copier_spinners(fp_copier_t *copier);
+int fp_copier_spinners(const fp_copier_t *copier);
 #ifdef FP_TEST
 /* Chunks workers took after spinning (no wake), and runs shared with
  * spinners only, since create: for the C tests. */
