@@ -19,6 +19,14 @@
  * next run without being woken; the caller wakes only the sleepers its run
  * needs beyond the spinners. A spinner always takes the lock and looks at the
  * queue before it sleeps, so a run queued while it spun is never missed.
+ * No more workers spin at once than the cores left beside the caller's
+ * (max_spin): a spinner past that would take a core from a thread with work.
+ *
+ * The cut-overs (which runs the caller copies alone, which it shares with
+ * spinners only, the chunk sizes, where streaming stores start) are read
+ * once per run from fp_copier_tuning_t fields that fp_copier_set_tuning may
+ * change at any time; each field is valid alone, so a run that sees some
+ * old and some new values still copies every byte once.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -35,11 +43,11 @@
 #include "fastpin.h"
 #include "streaming.h"
 
-/* FP_COPIER_CHUNK, the largest chunk (fastpin.h): ~0.2-0.5 ms of one core's
- * memcpy, long enough that taking the lock per chunk costs nothing, short
- * enough to balance the tail. FP_COPIER_CHUNK_MIN, the smallest a run is cut
- * into when it is too small to give every thread a few of the largest:
- * below it a wakeup costs more than it saves. */
+/* FP_COPIER_CHUNK, the largest chunk's default (fastpin.h): ~0.2-0.5 ms of
+ * one core's memcpy, long enough that taking the lock per chunk costs
+ * nothing, short enough to balance the tail. FP_COPIER_CHUNK_MIN, the
+ * smallest a run is cut into when it is too small to give every thread a few
+ * of the largest: below it a wakeup costs more than it saves. */
 /* Chunks per thread we aim for, so threads that wake late still find work. */
 #define FP_COPIER_CHUNKS_PER_THREAD 4
 /* Cuts inside an entry end on this boundary of the destination, so two
@@ -92,14 +100,22 @@ struct fp_copier_s {
     int threads;           /* total parallelism, caller included; read-only */
     int nworkers;          /* pool threads started (threads - 1); read-only
                               after create */
-    int stream;            /* runs from FP_COPIER_STREAM use streaming
+    int stream;            /* runs from tuning.stream_min use streaming
                               stores; atomic (fp_copier_set_streaming) */
+    fp_copier_tuning_t tuning; /* the cut-overs; each field atomic, read
+                              relaxed once per run (fp_copier_set_tuning) */
+    int max_spin;          /* most workers spinning at once: the CPUs the
+                              pool may use less one (the caller's), at most
+                              nworkers; atomic (set_affinity), compared with
+                              `spinning` under copier->lock */
     pid_t pid;             /* process that started the pool; read-only */
     pthread_t *workers;    /* nworkers handles; create and destroy only */
 #ifdef FP_TEST
     uint64_t test_spun;    /* chunks taken by a worker that spun, not woken;
                               copier->lock */
     uint64_t test_spin_runs; /* runs shared with spinners only; copier->lock */
+    int test_max_spinning;   /* the most workers ever spinning at once;
+                                copier->lock */
 #endif
 };
 
@@ -264,7 +280,13 @@ static int fp_copier_spin(fp_copier_t *c, uint64_t until)
 {
     unsigned gen = fp_atomic_load_relaxed(&c->gen); /* stable: we hold the lock */
     int moved = 0;
-    fp_atomic_add_acq_rel(&c->spinning, 1);
+    int now_spinning = fp_atomic_add_acq_rel(&c->spinning, 1);
+#ifdef FP_TEST
+    if (now_spinning > c->test_max_spinning)
+        c->test_max_spinning = now_spinning;
+#else
+    (void)now_spinning;
+#endif
     pthread_mutex_unlock(&c->lock);
     for (unsigned polls = 1;; polls++) {
         if (fp_atomic_load_acquire(&c->gen) != gen) {
@@ -300,7 +322,9 @@ static void *fp_copier_worker(void *arg)
     pthread_mutex_lock(&c->lock);
     for (;;) {
         while (!c->stop && c->head == NULL) {
-            if (ready_until > 0 && fp_now_ns() < ready_until) {
+            if (ready_until > 0 &&
+                fp_atomic_load_relaxed(&c->spinning) < fp_atomic_load_relaxed(&c->max_spin) &&
+                fp_now_ns() < ready_until) {
                 /* Moved but nothing left (the caller and others took it):
                  * spin on, to the same time. */
                 if (!fp_copier_spin(c, ready_until))
@@ -380,6 +404,83 @@ int fp_cpu_count(void)
     return n > 0 ? (int)n : 1;
 }
 
+/* The most of `nworkers` that may spin at once on `cpus` CPUs: one is the
+ * caller's. */
+static int fp_copier_spin_cap(int nworkers, int cpus)
+{
+    int cap = cpus - 1;
+    if (cap > nworkers)
+        cap = nworkers;
+    return cap > 0 ? cap : 0;
+}
+
+void fp_copier_tuning_default(fp_copier_tuning_t *t)
+{
+    t->inline_max = FP_COPIER_INLINE;
+    t->inline_spin = FP_COPIER_INLINE_SPIN;
+    t->stream_min = FP_COPIER_STREAM;
+    t->chunk_min = FP_COPIER_CHUNK_MIN;
+    t->chunk_max = FP_COPIER_CHUNK;
+    t->chunk_min_spin = FP_COPIER_CHUNK_MIN_SPIN;
+}
+
+int fp_copier_tuning_check(const fp_copier_tuning_t *t)
+{
+    if (t == NULL)
+        return fp_error_set(FP_EINVAL, "copier tuning: NULL");
+    const struct {
+        const char *name;
+        size_t value, lo, hi;
+    } fields[] = {
+        {"inline_max", t->inline_max, 0, FP_COPIER_TUNE_MAX},
+        {"inline_spin", t->inline_spin, 0, FP_COPIER_TUNE_MAX},
+        {"stream_min", t->stream_min, 0, FP_COPIER_TUNE_MAX},
+        {"chunk_min", t->chunk_min, FP_COPIER_CHUNK_FLOOR, FP_COPIER_TUNE_MAX},
+        {"chunk_max", t->chunk_max, FP_COPIER_CHUNK_FLOOR, FP_COPIER_TUNE_MAX},
+        {"chunk_min_spin", t->chunk_min_spin, FP_COPIER_CHUNK_FLOOR, FP_COPIER_TUNE_MAX},
+    };
+    for (size_t i = 0; i < sizeof fields / sizeof *fields; i++)
+        if (fields[i].value < fields[i].lo || fields[i].value > fields[i].hi)
+            return fp_error_set(FP_EINVAL, "copier tuning: %s must be %zu to %zu bytes, not %zu",
+                                fields[i].name, fields[i].lo, fields[i].hi, fields[i].value);
+    if (t->chunk_min > t->chunk_max || t->chunk_min_spin > t->chunk_max)
+        return fp_error_set(FP_EINVAL, "copier tuning: chunk_min (%zu) and chunk_min_spin (%zu) "
+                                       "may not exceed chunk_max (%zu)",
+                            t->chunk_min, t->chunk_min_spin, t->chunk_max);
+    return FP_OK;
+}
+
+int fp_copier_set_tuning(fp_copier_t *copier, const fp_copier_tuning_t *t)
+{
+    if (copier == NULL)
+        return fp_error_set(FP_EINVAL, "copier tuning: NULL copier");
+    int status = fp_copier_tuning_check(t);
+    if (status)
+        return status;
+    fp_atomic_store_release(&copier->tuning.inline_max, t->inline_max);
+    fp_atomic_store_release(&copier->tuning.inline_spin, t->inline_spin);
+    fp_atomic_store_release(&copier->tuning.stream_min, t->stream_min);
+    fp_atomic_store_release(&copier->tuning.chunk_min, t->chunk_min);
+    fp_atomic_store_release(&copier->tuning.chunk_max, t->chunk_max);
+    fp_atomic_store_release(&copier->tuning.chunk_min_spin, t->chunk_min_spin);
+    return FP_OK;
+}
+
+void fp_copier_get_tuning(const fp_copier_t *copier, fp_copier_tuning_t *t)
+{
+    t->inline_max = fp_atomic_load_relaxed(&copier->tuning.inline_max);
+    t->inline_spin = fp_atomic_load_relaxed(&copier->tuning.inline_spin);
+    t->stream_min = fp_atomic_load_relaxed(&copier->tuning.stream_min);
+    t->chunk_min = fp_atomic_load_relaxed(&copier->tuning.chunk_min);
+    t->chunk_max = fp_atomic_load_relaxed(&copier->tuning.chunk_max);
+    t->chunk_min_spin = fp_atomic_load_relaxed(&copier->tuning.chunk_min_spin);
+}
+
+int fp_copier_spinners(const fp_copier_t *copier)
+{
+    return fp_atomic_load_relaxed(&copier->max_spin);
+}
+
 int fp_copier_create(fp_copier_t **out, int threads)
 {
     if (out == NULL)
@@ -399,6 +500,8 @@ int fp_copier_create(fp_copier_t **out, int threads)
         return fp_error_set(FP_EOS, "copier: out of memory");
     c->threads = threads;
     c->stream = FP_HAVE_STREAMING;
+    fp_copier_tuning_default(&c->tuning);
+    c->max_spin = fp_copier_spin_cap(threads - 1, fp_cpu_count());
     c->pid = fp_pid();
     if (threads > 1) {
         c->workers = calloc((size_t)threads - 1, sizeof *c->workers);
@@ -496,6 +599,14 @@ void fp_copier_test_counts(fp_copier_t *copier, uint64_t *spun, uint64_t *spin_r
     *spin_runs = copier->test_spin_runs;
     pthread_mutex_unlock(&copier->lock);
 }
+
+int fp_copier_test_max_spinning(fp_copier_t *copier)
+{
+    pthread_mutex_lock(&copier->lock);
+    int n = copier->test_max_spinning;
+    pthread_mutex_unlock(&copier->lock);
+    return n;
+}
 #endif
 
 /* The calling thread's affinity into a set of `ncpu` CPUs (grown past 1024
@@ -550,6 +661,7 @@ int fp_copier_set_affinity(fp_copier_t *copier, const int *cpus, size_t count)
     }
     /* The worker handles are fixed once create returned; the threads may be
      * copying meanwhile: the kernel moves them at their next schedule. */
+    int allowed = CPU_COUNT_S(CPU_ALLOC_SIZE(ncpu), set);
     int status = FP_OK;
     for (int i = 0; i < copier->nworkers && status == FP_OK; i++) {
         int rc = pthread_setaffinity_np(copier->workers[i], CPU_ALLOC_SIZE(ncpu), set);
@@ -560,6 +672,14 @@ int fp_copier_set_affinity(fp_copier_t *copier, const int *cpus, size_t count)
             status = fp_error_set(FP_EOS, "copier affinity: %s", strerror(rc));
     }
     CPU_FREE(set);
+    /* Spinners share the CPUs they are pinned to (a listed CPU this process
+     * may not use still counts: the kernel's choice is not known here; the
+     * whole machine's cap, from create, still holds). */
+    if (status == FP_OK) {
+        int cap = fp_copier_spin_cap(copier->nworkers, allowed);
+        int whole = fp_copier_spin_cap(copier->nworkers, fp_cpu_count());
+        fp_atomic_store_release(&copier->max_spin, cap < whole ? cap : whole);
+    }
     return status;
 }
 
@@ -587,18 +707,20 @@ int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count)
             return fp_error_set(FP_EINVAL, "copier run: sizes overflow");
     }
 
-    int stream = fp_copier_streams(copier) && total >= FP_COPIER_STREAM;
-    /* Runs from FP_COPIER_INLINE_SPIN up to FP_COPIER_INLINE are shared
-     * only while workers spin (they take a run for the price of a lock; a
+    fp_copier_tuning_t tune;
+    fp_copier_get_tuning(copier, &tune);
+    int stream = fp_copier_streams(copier) && total >= tune.stream_min;
+    /* Runs above tune.inline_spin up to tune.inline_max are shared only
+     * while workers spin (they take a run for the price of a lock; a
      * sleeper's wake costs more than it saves), only with those, and in
      * smaller chunks. The count is a hint, read without the lock: a spinner
      * that has gone to sleep meanwhile leaves its share to the caller. */
     size_t spinning = 0;
     if (fp_atomic_load_relaxed(&copier->spin_ns) > 0)
         spinning = (size_t)fp_atomic_load_relaxed(&copier->spinning);
-    int spin_only = total <= FP_COPIER_INLINE;
-    if ((spin_only && (spinning == 0 || total <= FP_COPIER_INLINE_SPIN)) ||
-        copier->nworkers == 0) {
+    int spin_only = total <= tune.inline_max;
+    if ((spin_only && (spinning == 0 || total <= tune.inline_spin)) ||
+        copier->nworkers == 0 || total == 0) {
         for (size_t i = 0; i < count; i++)
             if (copies[i].size > 0)
                 fp_copy_bytes(copies[i].dst, copies[i].src, copies[i].size, stream);
@@ -607,10 +729,11 @@ int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count)
 
     size_t parts = spin_only ? spinning + 1 : (size_t)copier->threads;
     size_t chunk = total / (parts * FP_COPIER_CHUNKS_PER_THREAD);
-    if (chunk > FP_COPIER_CHUNK)
-        chunk = FP_COPIER_CHUNK;
-    if (chunk < (spin_only ? FP_COPIER_CHUNK_MIN_SPIN : FP_COPIER_CHUNK_MIN))
-        chunk = spin_only ? FP_COPIER_CHUNK_MIN_SPIN : FP_COPIER_CHUNK_MIN;
+    size_t least = spin_only ? tune.chunk_min_spin : tune.chunk_min;
+    if (chunk > tune.chunk_max)
+        chunk = tune.chunk_max;
+    if (chunk < least)
+        chunk = least;
 
     fp_run_t run = {.copies = copies, .count = count, .chunk = chunk, .stream = stream};
     pthread_cond_init(&run.done, NULL);

@@ -527,7 +527,9 @@ int fp_copier_threads(const fp_copier_t *copier);
 int fp_copier_set_affinity(fp_copier_t *copier, const int *cpus, size_t count);
 /* Copies every entry, splitting large ones into chunks shared among the
  * pool's threads and the caller; returns when all bytes are copied. Safe to
- * call from many threads at once. Never call with the GIL held.
+ * call from many threads at once. Never call with the GIL held. The sizes
+ * below are the defaults of the pool's tuning (fp_copier_tuning_t), which
+ * fp_copier_set_tuning changes at run time.
  *   - A run of up to FP_COPIER_INLINE bytes is copied by the caller alone:
  *     on a machine of many cores, waking pool threads costs more than a
  *     core's memcpy of a MiB (H200 hosts, one MiB: 71 us with the pool
@@ -549,7 +551,33 @@ int fp_copier_set_affinity(fp_copier_t *copier, const int *cpus, size_t count);
 #define FP_COPIER_STREAM ((size_t)4 << 20)
 #endif
 int fp_copier_run(fp_copier_t *copier, const fp_copy_t *copies, size_t count);
-/* Whether runs of this pool from FP_COPIER_STREAM bytes use streaming stores
+/* Where a run's strategy changes, in bytes of the whole run (entries summed).
+ * A new pool starts with the defaults above; fp_copier_set_tuning changes
+ * them from any thread, from the next run on (each field alone: a run begun
+ * meanwhile may see some old and some new). */
+typedef struct fp_copier_tuning_s {
+    size_t inline_max;     /* runs up to this: the caller alone, or with the
+                              workers spinning (FP_COPIER_INLINE) */
+    size_t inline_spin;    /* runs up to this: the caller alone even while
+                              workers spin (FP_COPIER_INLINE_SPIN) */
+    size_t stream_min;     /* runs from this: streaming stores, where on
+                              (FP_COPIER_STREAM) */
+    size_t chunk_min;      /* smallest chunk of a run past inline_max
+                              (FP_COPIER_CHUNK_MIN) */
+    size_t chunk_max;      /* largest chunk (FP_COPIER_CHUNK) */
+    size_t chunk_min_spin; /* smallest chunk of a run shared with spinners
+                              only (FP_COPIER_CHUNK_MIN_SPIN) */
+} fp_copier_tuning_t;
+#define FP_COPIER_TUNE_MAX ((size_t)1 << 40)   /* no field past this */
+#define FP_COPIER_CHUNK_FLOOR ((size_t)4 << 10) /* no chunk field below this */
+void fp_copier_tuning_default(fp_copier_tuning_t *t);
+/* FP_EINVAL (naming the field) for a field out of range, or a smallest
+ * chunk larger than chunk_max. */
+int fp_copier_tuning_check(const fp_copier_tuning_t *t);
+/* Checks (as above), then sets; the pool keeps its old tuning on error. */
+int fp_copier_set_tuning(fp_copier_t *copier, const fp_copier_tuning_t *t);
+void fp_copier_get_tuning(const fp_copier_t *copier, fp_copier_tuning_t *t);
+/* Whether runs of this pool from stream_min bytes use streaming stores
  * (the default where the CPU has them); set from any thread, taking effect
  * with the next run. */
 int fp_copier_streams(const fp_copier_t *copier);
@@ -560,9 +588,12 @@ void fp_copier_set_streaming(fp_copier_t *copier, int on);
  * FP_COPIER_INLINE are shared with the spinning threads alone (none is
  * woken), in chunks from FP_COPIER_CHUNK_MIN_SPIN; larger runs wake only the
  * sleepers they need beyond the spinners. The CPU a spinner burns is at most
- * ns per chunk it copied. Set from any thread, taking effect with each
- * thread's next chunk; FP_EINVAL past FP_COPIER_SPIN_MAX. Not yet a user
- * setting: measurements pick the default and the cut-overs. */
+ * ns per chunk it copied. No more workers spin at once than
+ * fp_copier_spinners() says: the CPUs the pool may use (its affinity, where
+ * set, and the process's) less one for the caller. Set from any thread,
+ * taking effect with each thread's next chunk; FP_EINVAL past
+ * FP_COPIER_SPIN_MAX. Not yet a user setting: measurements pick the default
+ * and the cut-overs. */
 #define FP_COPIER_SPIN_MAX ((uint64_t)10000000) /* 10 ms */
 #ifndef FP_COPIER_INLINE_SPIN
 #define FP_COPIER_INLINE_SPIN ((size_t)256 << 10)
@@ -570,10 +601,14 @@ void fp_copier_set_streaming(fp_copier_t *copier, int on);
 #define FP_COPIER_CHUNK_MIN_SPIN ((size_t)64 << 10)
 int fp_copier_set_spin(fp_copier_t *copier, uint64_t ns);
 uint64_t fp_copier_spin_ns(const fp_copier_t *copier);
+/* The most pool threads that may spin at once. */
+int fp_copier_spinners(const fp_copier_t *copier);
 #ifdef FP_TEST
 /* Chunks workers took after spinning (no wake), and runs shared with
  * spinners only, since create: for the C tests. */
 void fp_copier_test_counts(fp_copier_t *copier, uint64_t *spun, uint64_t *spin_runs);
+/* The most workers that ever spun at once since create. */
+int fp_copier_test_max_spinning(fp_copier_t *copier);
 #endif
 /* The number of CPUs this process may run on (sched_getaffinity). */
 int fp_cpu_count(void);

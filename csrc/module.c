@@ -74,6 +74,7 @@ fp_copier_t *fp_get_copier(fp_state *st)
         st->resize = 0;
         fp_copier_set_streaming(st->copier, !st->no_streaming);
         (void)fp_copier_set_spin(st->copier, st->spin_ns); /* checked by set_spin */
+        (void)fp_copier_set_tuning(st->copier, &st->tuning); /* checked by set_copy_tuning */
         /* set_affinity checked the list against this process's CPUs; should
          * a new pool's threads be refused them now, they run unpinned. */
         if (st->ncpus)
@@ -331,6 +332,106 @@ static PyObject *fp_get_spin(PyObject *module, PyObject *Py_UNUSED(ignored))
     return copier ? PyLong_FromUnsignedLongLong(fp_copier_spin_ns(copier)) : NULL;
 }
 
+/* The tuning's fields by name, for set_copy_tuning's keywords and
+ * copy_tuning's dict. */
+static size_t *fp_tuning_field(fp_copier_tuning_t *t, int i, const char **name)
+{
+    static const char *const names[] = {"inline_max", "inline_spin", "stream_min",
+                                        "chunk_min", "chunk_max", "chunk_min_spin"};
+    size_t *const fields[] = {&t->inline_max, &t->inline_spin, &t->stream_min,
+                              &t->chunk_min, &t->chunk_max, &t->chunk_min_spin};
+    if (i < 0 || i >= (int)(sizeof names / sizeof *names))
+        return NULL;
+    *name = names[i];
+    return fields[i];
+}
+
+/* set_copy_tuning(*, inline_max=, inline_spin=, stream_min=, chunk_min=,
+ * chunk_max=, chunk_min_spin=): the copy pool's cut-overs in bytes (see
+ * fp_copier_tuning_t); those not given keep their value. Applies to the
+ * running pool from its next run and to every pool made later in this
+ * process. Not yet a user setting. */
+static PyObject *fp_set_copy_tuning(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    fp_state *st = PyModule_GetState(module);
+    if (PyTuple_GET_SIZE(args) != 0)
+        return PyErr_Format(PyExc_TypeError, "set_copy_tuning() takes keyword arguments only");
+    fp_copier_tuning_t t = st->tuning;
+    Py_ssize_t used = 0;
+    const char *name;
+    size_t *field;
+    for (int i = 0; (field = fp_tuning_field(&t, i, &name)) != NULL; i++) {
+        PyObject *value = kwargs ? PyDict_GetItemString(kwargs, name) : NULL; /* borrowed */
+        if (value == NULL)
+            continue;
+        uint64_t v;
+        if (fp_u64_arg(value, name, 0, FP_COPIER_TUNE_MAX, "a number of bytes, 0 to 2**40", &v))
+            return NULL;
+        *field = (size_t)v;
+        used++;
+    }
+    if (kwargs && PyDict_GET_SIZE(kwargs) != used) {
+        PyObject *key;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(kwargs, &pos, &key, NULL)) {
+            int known = 0;
+            for (int i = 0; (field = fp_tuning_field(&t, i, &name)) != NULL; i++)
+                known |= PyUnicode_Check(key) && PyUnicode_CompareWithASCIIString(key, name) == 0;
+            if (!known)
+                return PyErr_Format(PyExc_TypeError,
+                                    "set_copy_tuning() got an unexpected keyword argument %R", key);
+        }
+    }
+    int status = fp_copier_tuning_check(&t);
+    if (status)
+        return fp_raise(st, status);
+    st->tuning = t;
+    if (st->copier && fp_same_process(st->copier_pid)) {
+        status = fp_copier_set_tuning(st->copier, &t);
+        if (status)
+            return fp_raise(st, status);
+    }
+    Py_RETURN_NONE;
+}
+
+/* copy_tuning() -> dict: the running pool's cut-overs, spin_ns, streaming,
+ * threads and spinners (the most of its threads that may spin at once). */
+static PyObject *fp_copy_tuning(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    fp_copier_t *copier = fp_get_copier(PyModule_GetState(module));
+    if (!copier)
+        return NULL;
+    fp_copier_tuning_t t;
+    fp_copier_get_tuning(copier, &t);
+    PyObject *out = PyDict_New();
+    if (!out)
+        return NULL;
+    const char *name;
+    size_t *field;
+    for (int i = 0; (field = fp_tuning_field(&t, i, &name)) != NULL; i++) {
+        PyObject *v = PyLong_FromSize_t(*field);
+        if (!v || PyDict_SetItemString(out, name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    PyObject *extra[4] = {PyLong_FromUnsignedLongLong(fp_copier_spin_ns(copier)),
+                          PyBool_FromLong(fp_copier_streams(copier)),
+                          PyLong_FromLong(fp_copier_threads(copier)),
+                          PyLong_FromLong(fp_copier_spinners(copier))};
+    const char *extra_names[4] = {"spin_ns", "streaming", "threads", "spinners"};
+    int ok = 1;
+    for (int i = 0; i < 4; i++) {
+        ok = ok && extra[i] && PyDict_SetItemString(out, extra_names[i], extra[i]) == 0;
+        Py_XDECREF(extra[i]);
+    }
+    if (!ok)
+        Py_CLEAR(out);
+    return out;
+}
+
 static PyObject *fp_current_device(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
     (void)module;
@@ -458,6 +559,16 @@ static PyMethodDef fp_methods[] = {
      "next run instead of sleeping (0, the default: they sleep at once; at most 10 ms)."},
     {"get_spin", fp_get_spin, METH_NOARGS,
      "get_spin() -> int\nNanoseconds the copy pool's threads stay ready after a chunk."},
+    {"set_copy_tuning", (PyCFunction)(void (*)(void))fp_set_copy_tuning,
+     METH_VARARGS | METH_KEYWORDS,
+     "set_copy_tuning(*, inline_max=, inline_spin=, stream_min=, chunk_min=, chunk_max=,\n"
+     "chunk_min_spin=)\nThe copy pool's cut-overs, in bytes of a run: up to inline_max the caller\n"
+     "copies alone (shared with spinning threads above inline_spin), from stream_min with\n"
+     "streaming stores, chunks chunk_min (chunk_min_spin when shared with spinners only) to\n"
+     "chunk_max. Those not given keep their value; now and for every later pool."},
+    {"copy_tuning", fp_copy_tuning, METH_NOARGS,
+     "copy_tuning() -> dict\nThe copy pool's cut-overs, spin_ns, streaming, threads and spinners\n"
+     "(the most of its threads that may spin at once: the CPUs it may use, less one)."},
     {"current_device", fp_current_device, METH_NOARGS,
      "The CUDA ordinal of the context current in this thread, or -1 (none, or no driver)."},
     {"block_size", fp_block_size, METH_O,
@@ -480,6 +591,7 @@ static int fp_exec(PyObject *module)
     if (PyArray_ImportNumPyAPI() < 0)
         return -1;
     fp_state *st = PyModule_GetState(module);
+    fp_copier_tuning_default(&st->tuning);
     st->ArenaType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Arena_spec, NULL);
     st->BlockType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Block_spec, NULL);
     if (!st->ArenaType || !st->BlockType)

@@ -35,6 +35,7 @@ typedef struct {
     int threads;              /* wanted pool size, 0 = default; under the GIL */
     int no_streaming;         /* set_streaming(False) was called; under the GIL */
     uint64_t spin_ns;         /* set_spin(ns): for every pool made; under the GIL */
+    fp_copier_tuning_t tuning; /* set_copy_tuning(): for every pool made; under the GIL */
     int resize;               /* threads changed since the pool was made */
     int busy;                 /* runs using the pool with the GIL released */
     int *cpus;                /* CPUs the pool's threads are pinned to (PyMem), or

@@ -198,6 +198,11 @@ def streaming() -> bool: ...
 def set_spin(ns: int, /) -> None:
     """Nanoseconds the copy pool's threads stay ready after a chunk (0: sleep at once)."""
 def get_spin() -> int: ...
+def set_copy_tuning(*, inline_max: int = ..., inline_spin: int = ..., stream_min: int = ...,
+                    chunk_min: int = ..., chunk_max: int = ..., chunk_min_spin: int = ...) -> None:
+    """The copy pool's cut-overs in bytes of a run; those not given keep their value."""
+def copy_tuning() -> dict[str, int | bool]:
+    """The pool's cut-overs, spin_ns, streaming, threads and spinners."""
 def current_device() -> int:
     """The device whose context is current in the calling thread; -1 where none is."""
 def set_affinity(cpus: Sequence[int] | None, /) -> None:

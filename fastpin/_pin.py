@@ -3,18 +3,122 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from typing import Any, Optional
 
 from . import _C, _graphs
 from ._arena import ON_FULL, cuda_available, default_arena, made_default_arena
+from ._dtypes import torch_carrier
 from ._grow import GrowingArena
 from ._runtime import count, counts, first, settings
-from ._leaves import Plan, is_leaf
+from ._leaves import Plan, contiguous_strides, is_leaf, _from_capsule
 from ._walk import flatten, unflatten
 
 log = logging.getLogger("fastpin")
+
+# ---- how the bytes are copied (not yet user settings: measurements pick them) ----
+
+# A batch of plain torch tensors whose bytes in all lie in [lo, hi] is copied by
+# torch's own Tensor.copy_ into views of a reserved block: torch's intra-op
+# threads, which stay hot between calls, with the GIL released. None: never
+# (the copy pool copies every batch).
+_torch_copy: Optional[tuple] = None
+
+# The copy pool's knobs (_C.set_copy_tuning's keywords, and spin and streaming).
+_POOL_SIZES = ("inline_max", "inline_spin", "stream_min", "chunk_min", "chunk_max",
+               "chunk_min_spin")
+COPY_KEYS = ("spin_ns", "streaming", *_POOL_SIZES, "torch_copy")
+COPY_ENV = "FASTPIN_COPY"
+
+
+def tune_copy(**knobs) -> dict:
+    """Set how fastpin.pin_memory copies, now and for every copy pool made later
+    in this process; returns copy_tuning(). Knobs (bytes of a whole batch):
+    spin_ns (how long the pool's threads poll for the next batch after a chunk,
+    0 to 10 ms), streaming (stores that bypass the cache, from stream_min),
+    inline_max (up to this the calling thread copies alone, shared only with
+    spinning threads above inline_spin), chunk_min / chunk_max / chunk_min_spin
+    (the pieces the pool's threads take), torch_copy ((lo, hi): batches of plain
+    torch tensors of lo to hi bytes go through torch's copy_; None: none do)."""
+    global _torch_copy
+    unknown = set(knobs) - set(COPY_KEYS)
+    if unknown:
+        raise TypeError(f"tune_copy: no knob {sorted(unknown)[0]!r} (knobs: {', '.join(COPY_KEYS)})")
+    if "torch_copy" in knobs:
+        span = knobs["torch_copy"]
+        if span is not None:
+            lo, hi = (int(v) for v in span)
+            if not 0 <= lo <= hi:
+                raise ValueError(f"tune_copy: torch_copy must be (lo, hi) with 0 <= lo <= hi, "
+                                 f"not {span!r}")
+            span = (lo, hi)
+    settings.load()  # it sets streaming from the environment once: before us, not after
+    sizes = {k: knobs[k] for k in _POOL_SIZES if k in knobs}
+    if sizes:
+        _C.set_copy_tuning(**sizes)
+    if "spin_ns" in knobs:
+        _C.set_spin(knobs["spin_ns"])
+    if "streaming" in knobs:
+        _C.set_streaming(bool(knobs["streaming"]))
+    if "torch_copy" in knobs:
+        _torch_copy = span
+    return copy_tuning()
+
+
+def copy_tuning() -> dict:
+    """How pin_memory copies now: the pool's knobs (see tune_copy), its threads,
+    and spinners (the most of them that may spin at once: the CPUs it may use,
+    less one for the caller)."""
+    out: dict = dict(_C.copy_tuning())
+    out["torch_copy"] = _torch_copy
+    return out
+
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _env_bytes(word: str) -> int:
+    word = word.strip().upper()
+    scale = _UNITS.get(word[-1:], 1)
+    number = word[:-1] if word[-1:] in _UNITS else word
+    return int(float(number) * scale)
+
+
+def parse_copy_knobs(text: str) -> dict:
+    """FASTPIN_COPY's form, "knob=value,...": sizes in bytes with an optional
+    K, M or G (binary), streaming 0 or 1, torch_copy LO-HI or off. For example
+    "spin_ns=50000,inline_max=256K,torch_copy=1M-8M"."""
+    knobs: dict = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        try:
+            if not sep or key not in COPY_KEYS:
+                raise ValueError(f"no knob {key!r}")
+            if key == "torch_copy" and value.lower() == "off":
+                knobs[key] = None
+            elif key == "torch_copy":
+                lo, dash, hi = value.partition("-")
+                if not dash:
+                    raise ValueError("must be LO-HI or off")
+                knobs[key] = (_env_bytes(lo), _env_bytes(hi))
+            elif key == "streaming":
+                if value not in ("0", "1"):
+                    raise ValueError("must be 0 or 1")
+                knobs[key] = value == "1"
+            else:
+                knobs[key] = _env_bytes(value)
+        except ValueError as e:
+            raise ValueError(f"{COPY_ENV}: {item!r}: {e} (knobs: {', '.join(COPY_KEYS)})") from None
+    return knobs
+
+
+def _tune_from_environment() -> None:
+    text = os.environ.get(COPY_ENV, "").strip()
+    if text:
+        tune_copy(**parse_copy_knobs(text))
 
 class Fallback(Exception):
     """The policy says: pin this batch the ordinary way."""
@@ -119,6 +223,10 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     fast_arena = arena if arena is not None else made_default_arena(device)
     spec = None
     if fast_arena is not None:
+        if _torch_copy is not None and _torch_seen:
+            out = _pin_by_torch(data, fast_arena, cuda)
+            if out is not None:
+                return out
         try:
             # One C call for the common batch (lists, tuples and dicts of plain
             # tensors and arrays, each one memcpy).
@@ -155,3 +263,61 @@ def _pin_planned(spec, leaves: list, device: Any, arena: Optional[_C.Arena],
     out = unflatten(spec, plan.host(block))
     count(batches=1, leaves=plan.placed, nbytes=plan.data_bytes)
     return out
+
+
+def _torch_leaves(data) -> Optional[list]:
+    """The tensors of a batch that torch's copy_ can pin: `data` itself, or the
+    values of a plain tuple, list or dict of them, each a plain dense CPU tensor
+    that autograd does not track; None for any other batch."""
+    tensor = sys.modules["torch"].Tensor
+    cls = type(data)
+    if cls is tensor:
+        return [data]
+    if cls is tuple or cls is list:
+        leaves = list(data)
+    elif cls is dict:
+        leaves = list(data.values())
+    else:
+        return None
+    return leaves if leaves and all(type(t) is tensor for t in leaves) else None
+
+
+def _pin_by_torch(data, arena, cuda: bool) -> Any:
+    """pin_memory by torch's copy_ into views of one reserved block, for batches
+    of _torch_copy's size; None: this batch goes the ordinary way (its size or
+    its leaves, or the arena is full, whose policy the ordinary way applies)."""
+    span, leaves = _torch_copy, _torch_leaves(data)
+    if span is None or leaves is None:
+        return None
+    total = sum(t.nbytes for t in leaves)
+    if not span[0] <= total <= span[1]:
+        return None
+    for t in leaves:
+        if (not t.is_cpu or t.requires_grad or not t.is_contiguous() or t.is_conj()
+                or t.is_neg() or t.numel() == 0 or torch_carrier(t.dtype) is None
+                or (cuda and t.is_pinned())):
+            return None
+    try:
+        block, offsets = arena.pin([(0, t.nbytes) for t in leaves])
+    except _C.ArenaFullError:
+        return None
+    from_capsule = _from_capsule()
+    outs = []
+    for t, offset in zip(leaves, offsets):
+        (code, bits, lanes), view_as = torch_carrier(t.dtype)
+        view = from_capsule(block.dlpack(offset, tuple(t.shape), contiguous_strides(t.shape),
+                                         code, bits, lanes))
+        if view_as is not None:
+            view = view.view(view_as)
+        view.copy_(t)
+        outs.append(view)
+    count(batches=1, leaves=len(outs), nbytes=total)
+    cls = type(data)
+    if cls is dict:
+        return dict(zip(data.keys(), outs))
+    if cls is tuple:
+        return tuple(outs)
+    return outs if cls is list else outs[0]
+
+
+_tune_from_environment()

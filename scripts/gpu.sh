@@ -29,6 +29,14 @@
 #                                (over the device tool's 600 s: one call each); check:
 #                                the queued-copies GPU test as the code was and as it is,
 #                                install()'s CPU by thread, the image cases, the GPU tests
+#   bash scripts/gpu.sh pin [bench|test] [ARGS]  build, then
+#                                bench: benchmarks/pin_cutover.py --recommend ARGS (pin_memory's
+#                                copy strategies against torch's pin and memcpy, 64 KB to 1 GB,
+#                                cache-hot and cache-cold; its own budget 270 s, about 5 minutes
+#                                in all) into $OUT/pin_cutover.json; test: the copy pool's C
+#                                tests plain, under ASan+UBSan and under TSan, and
+#                                tests/test_copier_spin.py; neither: both (over the device
+#                                tool's 600 s at worst: one call each)
 #   bash scripts/gpu.sh streams [OLD] build, the stream-safety tests under both fences
 #                                (cuCtxRecordEvent, FASTPIN_FENCE=sync) and
 #                                benchmarks/stream_race.py; with OLD (a directory
@@ -142,6 +150,18 @@ if [ "$what" = install ]; then
     if [ "$part" = all ] || [ "$part" = lightning ]; then
         step timeout 300 env PYTHONPATH="$PWD" python3 benchmarks/lightning_install.py \
             --workers 15 --steps 60 --json "$OUT/lightning_install.json"
+    fi
+fi
+if [ "$what" = pin ]; then
+    part=${1:-all}
+    [ $# -gt 0 ] && shift
+    if [ "$part" = all ] || [ "$part" = test ]; then
+        step timeout 480 make -C tests/c test asan tsan TESTS=test_copier
+        step timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_copier_spin.py
+    fi
+    if [ "$part" = all ] || [ "$part" = bench ]; then
+        step timeout 420 env PYTHONPATH="$PWD" python3 benchmarks/pin_cutover.py --recommend "$@" \
+            --json "$OUT/pin_cutover.json"
     fi
 fi
 if [ "$what" = profile ]; then

@@ -1,7 +1,9 @@
-"""The copy pool's spinning workers (_C.set_spin, issue 25): pin_memory of
-batches whose bytes lie just below, at and above every cut-over of the pool,
-from 4 Python threads at once, with spin off and on; every byte checked. Spin
-is not yet a user setting; these tests put it back to 0."""
+"""The copy pool's spinning workers (_C.set_spin) and its run-time cut-overs
+(_C.set_copy_tuning, fastpin._pin.tune_copy): pin_memory of batches whose
+bytes lie just below, at and above every cut-over of the pool, from several
+Python threads at once, with spin off and on; every byte checked. Never more
+threads spin than the machine has cores. Neither is yet a user setting; these
+tests put them back as they found them."""
 from __future__ import annotations
 
 import threading
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 import fastpin
-from fastpin import _C
+from fastpin import _C, _pin
 from conftest import assert_same, patterned, shares_memory
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -138,3 +140,137 @@ def test_bad_spin(spin_off, bad, exc):
     with pytest.raises(exc, match="spin"):
         _C.set_spin(bad)
     assert _C.get_spin() == 0
+
+
+# ---- never more spinning threads than cores -------------------------------------
+
+def test_default_never_spins_more_threads_than_cores():
+    t = _pin.copy_tuning()
+    assert t["spinners"] + 1 <= _C.cpu_count(), t
+    assert t["spinners"] <= t["threads"] - 1
+
+
+def test_a_pool_larger_than_the_machine_spins_no_more_than_its_cores(spin_off):
+    threads = _C.get_threads()
+    cpus = _C.cpu_count()
+    try:
+        _C.set_threads(2 * cpus + 1)
+        _C.set_spin(2_000_000)
+        assert _C.get_threads() == 2 * cpus + 1
+        assert _pin.copy_tuning()["spinners"] == cpus - 1
+        batch = _batch(4 * MiB + 5, 21, 1)
+        _check(fastpin.pin_memory(batch), batch)
+    finally:
+        _C.set_threads(0 if threads == min(cpus, 16) else threads)
+
+
+def test_pinned_to_one_cpu_the_pool_never_spins(spin_off):
+    _C.set_spin(2_000_000)
+    try:
+        _C.set_affinity([0])
+        assert _pin.copy_tuning()["spinners"] == 0
+        batch = _batch(3 * MiB + 1, 22, 1)
+        _check(fastpin.pin_memory(batch), batch)
+    finally:
+        _C.set_affinity(None)
+    assert _pin.copy_tuning()["spinners"] == min(_C.cpu_count(), _C.get_threads()) - 1
+
+
+# ---- cut-overs set at run time -----------------------------------------------------
+
+@pytest.fixture
+def knobs_kept():
+    before = _pin.copy_tuning()
+    yield
+    _pin.tune_copy(**{k: before[k] for k in _pin.COPY_KEYS})
+
+
+# What the measurements try: the pool from the smallest batch, the caller alone to
+# 8 MiB with spinners sharing from 64 KiB, streaming from 64 KiB, the smallest
+# chunks, torch's copy_ over the middle sizes.
+TUNINGS = [
+    dict(inline_max=0, inline_spin=0, stream_min=0, chunk_min=4 * KiB, chunk_max=64 * KiB,
+         chunk_min_spin=4 * KiB),
+    dict(inline_max=8 * MiB, inline_spin=64 * KiB, stream_min=1 * MiB, chunk_min=256 * KiB,
+         chunk_max=4 * MiB, chunk_min_spin=16 * KiB),
+    dict(inline_max=2 * MiB, inline_spin=1 * MiB, stream_min=64 * KiB, chunk_min=128 * KiB,
+         chunk_max=512 * KiB, chunk_min_spin=32 * KiB, torch_copy=(512 * KiB, 2 * MiB)),
+]
+
+
+def _cuts(t: dict) -> list:
+    sizes = [v for k, v in t.items() if k != "torch_copy"] + list(t.get("torch_copy", ()))
+    return sorted({n + d for n in sizes for d in (-1, 0, 1) if n + d > 200})
+
+
+@pytest.mark.parametrize("spin", [0, 50_000])
+@pytest.mark.parametrize("which", range(len(TUNINGS)))
+def test_tuned_cut_overs_from_six_threads(knobs_kept, spin, which):
+    tuning = dict(TUNINGS[which], spin_ns=spin, streaming=which % 2 == 0)
+    _pin.tune_copy(**tuning)
+    sizes = _cuts(TUNINGS[which])
+    errors: list[BaseException] = []
+    start = threading.Barrier(6)
+
+    def worker(t: int) -> None:
+        try:
+            start.wait()
+            for i, nbytes in enumerate(sizes):
+                seed = (t << 20) + (which << 12) + i * 4 + spin % 5
+                batch = _batch(nbytes, seed, (i + t) % 2)
+                _check(fastpin.pin_memory(batch), batch)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=300)
+    assert not any(th.is_alive() for th in threads), "a pinning thread hung"
+    assert not errors, errors[0]
+
+
+def test_tuning_changed_while_threads_pin(knobs_kept):
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    sizes = sorted({n for t in TUNINGS for n in _cuts(t)})
+
+    def pinner(t: int) -> None:
+        try:
+            i = 0
+            while not stop.is_set():
+                nbytes = sizes[(i * 7 + t) % len(sizes)]
+                batch = _batch(nbytes, (t << 24) + i, i % 2)
+                _check(fastpin.pin_memory(batch), batch)
+                i += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=pinner, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    default = {k: v for k, v in _pin.copy_tuning().items() if k in _pin.COPY_KEYS}
+    try:
+        for i in range(40):
+            _pin.tune_copy(**dict((TUNINGS + [default])[i % 4], spin_ns=[0, 50_000][i % 2]))
+            threading.Event().wait(0.005)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(timeout=300)
+    assert not any(th.is_alive() for th in threads), "a pinning thread hung"
+    assert not errors, errors[0]
+
+
+def test_set_copy_tuning_refuses_and_keeps(knobs_kept):
+    before = _C.copy_tuning()
+    for bad, exc in [(dict(chunk_min=4095), ValueError), (dict(chunk_max=1), ValueError),
+                     (dict(inline_max=-1), ValueError), (dict(inline_max=2**41), ValueError),
+                     (dict(chunk_min_spin=64 * MiB), ValueError), (dict(inline=1), TypeError),
+                     (dict(stream_min=1.5), TypeError)]:
+        with pytest.raises(exc):
+            _C.set_copy_tuning(**bad)
+        assert _C.copy_tuning() == before
+    with pytest.raises(TypeError, match="keyword"):
+        _C.set_copy_tuning(1)

@@ -718,3 +718,192 @@ def test_flat_batches_rebuild_as_they_came(arena):
         for o, i in zip(out, seq):
             assert_same(o, i)
     assert fastpin.pin_memory({}, arena=arena) == {} and fastpin.pin_memory((), arena=arena) == ()
+
+
+# ---- torch's copy_ as the copy (fastpin._pin.tune_copy(torch_copy=...)) ---------
+
+from fastpin import _pin  # noqa: E402
+
+
+class TorchCopy:
+    """Sets the torch_copy range; `taken` records, batch by batch, whether
+    torch's copy_ pinned it (True) or left it to the pool's way (False)."""
+
+    def __init__(self):
+        self.taken: list = []
+
+    def __call__(self, lo, hi):
+        _pin.tune_copy(torch_copy=(lo, hi))
+
+
+@pytest.fixture
+def torch_copy(monkeypatch):
+    """A TorchCopy for the test; every copy knob is put back after."""
+    before = _pin.copy_tuning()
+    tc = TorchCopy()
+    real = _pin._pin_by_torch
+
+    def spy(*args):
+        out = real(*args)
+        tc.taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_pin, "_pin_by_torch", spy)
+    yield tc
+    _pin.tune_copy(**{k: before[k] for k in _pin.COPY_KEYS})
+
+
+def _by_torch(tc, batch, **kw):
+    """pin_memory(batch), asserting torch's copy_ took it (not the pool)."""
+    out = fastpin.pin_memory(batch, **kw)
+    assert tc.taken[-1:] == [True], "the batch did not go through torch's copy_"
+    return out
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+def test_torch_copy_every_dtype(dtype, arena, torch_copy):
+    torch_copy(0, 1 << 40)
+    batch = [patterned(shape, dtype, seed) for seed, shape in enumerate(SHAPES)
+             if 0 not in shape]
+    batch.append(patterned((70_000,), dtype, 99))
+    out = _by_torch(torch_copy, batch, arena=arena)
+    assert type(out) is list and len(out) == len(batch)
+    for o, i in zip(out, batch):
+        assert_same(o, i)
+        assert o.is_contiguous() and in_arena(o, arena) and not shares_memory(o, i)
+
+
+@pytest.mark.parametrize("kind", [torch.Tensor, tuple, list, dict])
+def test_torch_copy_keeps_the_container(kind, arena, torch_copy):
+    torch_copy(0, 1 << 40)
+    outs = []  # each batch its own block: the earlier ones still hold theirs
+    for seed in range(3):
+        x = patterned((3, 64, 65), torch.float32, seed)
+        y = patterned((3,), torch.int64, seed + 100)
+        batch = {torch.Tensor: x, tuple: (x, y), list: [x, y], dict: {"x": x, "y": y}}[kind]
+        out = _by_torch(torch_copy, batch, arena=arena)
+        outs.append(out)
+        assert type(out) is type(batch)
+        if kind is torch.Tensor:
+            assert_same(out, x)
+        elif kind is dict:
+            assert list(out) == ["x", "y"]
+            assert_same(out["x"], x)
+            assert_same(out["y"], y)
+        else:
+            assert_same(out[0], x)
+            assert_same(out[1], y)
+
+
+def test_torch_copy_only_in_its_range(arena, torch_copy):
+    torch_copy(1 << 20, 2 << 20)
+    for nbytes, taken in [((1 << 20) - 1, False), (1 << 20, True), (2 << 20, True),
+                          ((2 << 20) + 1, False)]:
+        x = patterned((nbytes,), torch.uint8, nbytes)
+        assert_same(fastpin.pin_memory(x, arena=arena), x)
+        assert torch_copy.taken[-1] is taken, nbytes
+
+
+def test_torch_copy_leaves_what_it_cannot_take_to_the_pipeline(arena, torch_copy):
+    torch_copy(0, 1 << 40)
+    x = patterned((4, 6), torch.float32, 1)
+    batches = [
+        x.t(),                                          # not contiguous
+        x.clone().requires_grad_(),                     # autograd
+        (x, patterned((5,), np.int32, 2)),              # an array among the tensors
+        (x, patterned((0,), torch.float32, 3)),         # a zero-size leaf
+        Point(x, x + 1),                                # a namedtuple
+        torch.nn.Parameter(x.clone()),                  # a subclass
+        patterned((3,), torch.complex64, 4).conj(),     # a lazy bit to resolve
+        [x, [x]],                                       # nested
+    ]
+    for batch in batches:
+        out = fastpin.pin_memory(batch, arena=arena)
+        assert torch_copy.taken[-1] is False, type(batch)
+        if not isinstance(batch, torch.Tensor):  # a Parameter comes back plain, as from torch
+            assert type(out) is type(batch)
+        for o, i in zip(walk_leaves(out), walk_leaves(batch)):
+            assert_same(o, i)
+            empty = (i.size if isinstance(i, np.ndarray) else i.numel()) == 0
+            assert empty or not shares_memory(o, i)
+    assert fastpin.pin_memory(x.clone().requires_grad_(), arena=arena).requires_grad
+
+
+def test_torch_copy_full_arena_keeps_the_policy(small_arena, torch_copy):
+    torch_copy(0, 1 << 40)
+    x = patterned((128 << 10,), torch.uint8, 5)
+    with pytest.raises(fastpin.ArenaFullError):
+        fastpin.pin_memory(x, arena=small_arena, on_full="raise")
+    assert_same(fastpin.pin_memory(x, arena=small_arena, on_full="fallback"), x)
+    assert not any(torch_copy.taken)
+
+
+def test_torch_copy_from_many_threads(arena, torch_copy):
+    """Batches around both ends of the range from 6 threads at once, each
+    checked, while the pool takes the rest."""
+    import threading
+
+    torch_copy(256 << 10, 1 << 20)
+    sizes = [n + d for n in (256 << 10, 1 << 20) for d in (-1, 0, 1)]
+    errors: list = []
+
+    def pinner(t: int) -> None:
+        try:
+            for i in range(30):
+                nbytes = sizes[(i + t) % len(sizes)] - 64
+                x = patterned((nbytes,), torch.uint8, (t << 16) + i)
+                batch = (x, patterned((8,), torch.int64, (t << 16) + i + 1))
+                out = fastpin.pin_memory(batch, arena=arena, on_full="wait")
+                assert_same(out[0], batch[0])
+                assert_same(out[1], batch[1])
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=pinner, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=300)
+    assert not any(th.is_alive() for th in threads), "a pinning thread hung"
+    assert not errors, errors[0]
+    assert True in torch_copy.taken and False in torch_copy.taken
+
+
+@pytest.mark.gpu
+def test_torch_copy_gives_pinned_tensors(torch_copy):
+    torch_copy(0, 1 << 40)
+    x = patterned((1 << 20,), torch.uint8, 6)
+    out = _by_torch(torch_copy, {"x": x})
+    assert out["x"].is_pinned()
+    assert_same(out["x"].to("cuda", non_blocking=True).cpu(), x)
+
+
+def test_tune_copy_refuses_bad_knobs(torch_copy):
+    before = _pin.copy_tuning()
+    with pytest.raises(TypeError, match="no knob 'spin'"):
+        _pin.tune_copy(spin=1)
+    with pytest.raises(ValueError, match="torch_copy"):
+        _pin.tune_copy(torch_copy=(5, 1))
+    with pytest.raises(ValueError, match="chunk_min"):
+        _pin.tune_copy(chunk_min=1)
+    assert _pin.copy_tuning() == before
+
+
+def test_copy_knobs_from_the_environment():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import fastpin; from fastpin import _pin; t = _pin.copy_tuning(); "
+            "print(t['spin_ns'], t['inline_max'], t['torch_copy'], t['chunk_min_spin'])")
+    env = dict(os.environ, FASTPIN_COPY="spin_ns=2K, inline_max=3M,torch_copy=1M-4M,"
+               "chunk_min_spin=16K")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2048", str(3 << 20), f"({1 << 20},", f"{4 << 20})",
+                                  str(16 << 10)]
+    env["FASTPIN_COPY"] = "inline_max=lots"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0 and "FASTPIN_COPY" in out.stderr and "inline_max" in out.stderr

@@ -610,6 +610,231 @@ static void test_spin_create_destroy(int loops)
            worst * 1e3);
 }
 
+/* A pool of more threads than the machine has cores, spinning: never more
+ * workers spin at once than there are cores besides the caller's (a spinner
+ * past that takes a core from a thread with work to do). Every run is large
+ * enough to wake every worker, so each copies a chunk and then wants to spin;
+ * three callers keep them busy. */
+typedef struct spin_cap_caller_s {
+    fp_copier_t *copier; /* shared */
+    int id;              /* which caller */
+    int iterations;      /* runs to make */
+    size_t size;         /* bytes a run */
+} spin_cap_caller_t;
+
+static void *spin_cap_caller_main(void *arg)
+{
+    spin_cap_caller_t *t = arg;
+    for (int it = 0; it < t->iterations; it++) {
+        size_t size = t->size + (size_t)it * 4099;
+        char what[64];
+        snprintf(what, sizeof what, "spin cap caller %d iteration %d", t->id, it);
+        check_run(t->copier, &size, 1, (size_t)it % 13, (size_t)t->id,
+                  ((uint64_t)t->id << 36) + (uint64_t)it + 4242, what);
+    }
+    return NULL;
+}
+
+static void test_spin_cap(int iterations)
+{
+    int cpus = fp_cpu_count();
+    int threads = 2 * cpus + 2;
+    fp_copier_t *c;
+    if (fp_copier_create(&c, threads) != FP_OK) {
+        CHECK(0, "create(%d): %s", threads, fp_error_message());
+        return;
+    }
+    CHECK(fp_copier_set_spin(c, SPIN_NS) == FP_OK, "set_spin: %s", fp_error_message());
+    pthread_t tid[3];
+    spin_cap_caller_t args[3];
+    for (int i = 0; i < 3; i++) {
+        args[i] = (spin_cap_caller_t){c, i, iterations, (size_t)threads * CHUNK_MIN * 2};
+        if (pthread_create(&tid[i], NULL, spin_cap_caller_main, &args[i]) != 0)
+            exit(2);
+    }
+    for (int i = 0; i < 3; i++)
+        pthread_join(tid[i], NULL);
+    int most = fp_copier_test_max_spinning(c);
+    CHECK(most <= cpus - 1, "%d threads on %d CPUs: %d workers spun at once (at most %d may)",
+          threads, cpus, most, cpus - 1);
+    printf("    %d threads on %d CPUs: at most %d spun at once\n", threads, cpus, most);
+    fp_copier_destroy(c);
+}
+
+/* ---- run-time tuning (fp_copier_set_tuning) ------------------------------ */
+
+static void test_tuning_setter(void)
+{
+    fp_copier_t *c;
+    if (fp_copier_create(&c, 3) != FP_OK) {
+        CHECK(0, "create(3): %s", fp_error_message());
+        return;
+    }
+    fp_copier_tuning_t t, d;
+    fp_copier_get_tuning(c, &t);
+    fp_copier_tuning_default(&d);
+    CHECK(memcmp(&t, &d, sizeof t) == 0, "a new pool's tuning is not the default");
+    CHECK(t.inline_max == INLINE && t.inline_spin == INLINE_SPIN && t.stream_min == STREAM &&
+              t.chunk_min == CHUNK_MIN && t.chunk_max == CHUNK &&
+              t.chunk_min_spin == CHUNK_MIN_SPIN,
+          "the defaults are not fastpin.h's");
+    fp_copier_tuning_t bad[5];
+    for (int i = 0; i < 5; i++)
+        bad[i] = d;
+    bad[0].chunk_min = FP_COPIER_CHUNK_FLOOR - 1;
+    bad[1].chunk_min_spin = d.chunk_max + 1;
+    bad[2].chunk_min = d.chunk_max + 1;
+    bad[3].inline_max = FP_COPIER_TUNE_MAX + 1;
+    bad[4].chunk_max = FP_COPIER_CHUNK_FLOOR - 1;
+    const char *names[5] = {"chunk_min", "chunk_max", "chunk_max", "inline_max", "chunk_max"};
+    for (int i = 0; i < 5; i++) {
+        CHECK(fp_copier_set_tuning(c, &bad[i]) == FP_EINVAL, "bad tuning %d accepted", i);
+        CHECK(strstr(fp_error_message(), names[i]) != NULL, "bad tuning %d: message %s", i,
+              fp_error_message());
+        fp_copier_get_tuning(c, &t);
+        CHECK(memcmp(&t, &d, sizeof t) == 0, "bad tuning %d changed the pool's", i);
+    }
+    fp_copier_tuning_t zero = {0, 0, 0, FP_COPIER_CHUNK_FLOOR, FP_COPIER_CHUNK_FLOOR,
+                               FP_COPIER_CHUNK_FLOOR};
+    CHECK(fp_copier_set_tuning(c, &zero) == FP_OK, "smallest tuning refused: %s",
+          fp_error_message());
+    fp_copier_get_tuning(c, &t);
+    CHECK(memcmp(&t, &zero, sizeof t) == 0, "tuning not set");
+    CHECK(fp_copier_set_tuning(NULL, &d) == FP_EINVAL, "NULL copier accepted");
+    CHECK(fp_copier_set_tuning(c, NULL) == FP_EINVAL, "NULL tuning accepted");
+    CHECK(fp_copier_spinners(c) == (fp_cpu_count() - 1 < 2 ? fp_cpu_count() - 1 : 2),
+          "3 threads on %d CPUs: %d may spin", fp_cpu_count(), fp_copier_spinners(c));
+    fp_copier_destroy(c);
+}
+
+/* Tunings the measurements try: the pool from the smallest run, the caller
+ * alone up to 8 MiB, spin-only sharing from 64 KiB, streaming from every
+ * size, the smallest chunks. */
+static const fp_copier_tuning_t tunings[] = {
+    {0, 0, 0, FP_COPIER_CHUNK_FLOOR, (size_t)64 << 10, FP_COPIER_CHUNK_FLOOR},
+    {(size_t)8 << 20, (size_t)64 << 10, (size_t)1 << 20, (size_t)256 << 10, (size_t)4 << 20,
+     (size_t)16 << 10},
+    {(size_t)2 << 20, (size_t)1 << 20, (size_t)64 << 10, (size_t)128 << 10, (size_t)512 << 10,
+     (size_t)32 << 10},
+    {(size_t)256 << 10, 0, (size_t)16 << 20, FP_COPIER_CHUNK_FLOOR, FP_COPIER_CHUNK_FLOOR,
+     FP_COPIER_CHUNK_FLOOR},
+};
+#define NTUNINGS (sizeof tunings / sizeof *tunings)
+
+/* Sizes just below, at and above each of the tuning's cut-overs. */
+static size_t tuning_sizes(const fp_copier_tuning_t *t, size_t *out)
+{
+    const size_t cuts[] = {t->inline_max, t->inline_spin, t->stream_min, t->chunk_min,
+                           t->chunk_max, t->chunk_min_spin, 2 * t->chunk_max};
+    size_t n = 0;
+    for (size_t i = 0; i < sizeof cuts / sizeof *cuts; i++)
+        for (size_t d = 0; d < 3; d++)
+            if (cuts[i] + d >= 1)
+                out[n++] = cuts[i] + d - 1;
+    return n;
+}
+
+static void test_tuning_sizes(int threads, uint64_t seed)
+{
+    fp_copier_t *c;
+    if (fp_copier_create(&c, threads) != FP_OK) {
+        CHECK(0, "create(%d): %s", threads, fp_error_message());
+        return;
+    }
+    const uint64_t spins[] = {0, SPIN_NS};
+    for (size_t k = 0; k < NTUNINGS; k++)
+        for (size_t p = 0; p < 2; p++) {
+            CHECK(fp_copier_set_tuning(c, &tunings[k]) == FP_OK, "tuning %zu: %s", k,
+                  fp_error_message());
+            fp_copier_set_spin(c, spins[p]);
+            fp_copier_set_streaming(c, (int)(k + p) % 2 == 0);
+            size_t sizes[32];
+            size_t n = tuning_sizes(&tunings[k], sizes);
+            for (size_t s = 0; s < n; s++) {
+                char what[128];
+                snprintf(what, sizeof what, "threads=%d tuning %zu spin=%llu size=%zu", threads,
+                         k, (unsigned long long)spins[p], sizes[s]);
+                check_after_warm(c, sizes[s], s * 5, seed + k * 100 + p * 50 + s, what);
+            }
+            /* Many entries, the run's total past the chunk sizes. */
+            enum { N = 700 };
+            size_t many[N];
+            for (size_t i = 0; i < N; i++)
+                many[i] = mix(seed + k * 7 + p + i) % 3000;
+            check_run(c, many, N, 3, 5, seed + k + 333, "700 entries, tuned");
+        }
+    fp_copier_destroy(c);
+}
+
+/* Callers at sizes around every tuning's cut-overs while another thread
+ * changes the tuning, the spin and streaming under them. */
+typedef struct tune_toggle_s {
+    fp_copier_t *copier; /* the pool */
+    int stop;            /* atomic: set by main when the callers are done */
+} tune_toggle_t;
+
+static void *tune_toggle_main(void *arg)
+{
+    tune_toggle_t *t = arg;
+    fp_copier_tuning_t d;
+    fp_copier_tuning_default(&d);
+    for (unsigned i = 0; !fp_atomic_load_acquire(&t->stop); i++) {
+        fp_copier_set_tuning(t->copier, i % 5 == 4 ? &d : &tunings[i % NTUNINGS]);
+        fp_copier_set_spin(t->copier, i % 3 == 0 ? 0 : SPIN_NS);
+        fp_copier_set_streaming(t->copier, (int)(i % 2));
+        struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
+
+typedef struct tune_caller_s {
+    fp_copier_t *copier; /* shared by all callers */
+    int id;              /* which caller */
+    int iterations;      /* runs to make */
+} tune_caller_t;
+
+static void *tune_caller_main(void *arg)
+{
+    tune_caller_t *t = arg;
+    size_t all[NTUNINGS * 32];
+    size_t n = 0;
+    for (size_t k = 0; k < NTUNINGS; k++)
+        n += tuning_sizes(&tunings[k], all + n);
+    for (int it = 0; it < t->iterations; it++) {
+        size_t sizes[2] = {all[(size_t)(it * 7 + t->id) % n], (size_t)(it % 5) * 333};
+        char what[64];
+        snprintf(what, sizeof what, "tune caller %d iteration %d", t->id, it);
+        check_run(t->copier, sizes, 2, (size_t)it % 11, (size_t)t->id,
+                  ((uint64_t)t->id << 44) + (uint64_t)it + 99, what);
+    }
+    return NULL;
+}
+
+static void test_tuning_concurrent(int threads, int callers, int iterations)
+{
+    fp_copier_t *c;
+    if (fp_copier_create(&c, threads) != FP_OK) {
+        CHECK(0, "create(%d): %s", threads, fp_error_message());
+        return;
+    }
+    pthread_t tid[16], tog;
+    tune_caller_t args[16];
+    tune_toggle_t targ = {c, 0};
+    if (pthread_create(&tog, NULL, tune_toggle_main, &targ) != 0)
+        exit(2);
+    for (int i = 0; i < callers; i++) {
+        args[i] = (tune_caller_t){c, i, iterations};
+        if (pthread_create(&tid[i], NULL, tune_caller_main, &args[i]) != 0)
+            exit(2);
+    }
+    for (int i = 0; i < callers; i++)
+        pthread_join(tid[i], NULL);
+    fp_atomic_store_release(&targ.stop, 1);
+    pthread_join(tog, NULL);
+    fp_copier_destroy(c);
+}
+
 /* Informational: one 64 MiB copy at several pool sizes. */
 static void report_speed(void)
 {
@@ -689,6 +914,15 @@ int main(void)
     printf("  spin, concurrent callers done (%.1f s)\n", now() - t0);
     test_spin_create_destroy(200 / SLOW);
     printf("  spin create/destroy done (%.1f s)\n", now() - t0);
+    test_spin_cap(40 / SLOW);
+    printf("  spinners capped by the cores done (%.1f s)\n", now() - t0);
+    test_tuning_setter();
+    test_tuning_sizes(3, 91001);
+    test_tuning_sizes(0, 92001);
+    printf("  tuned sizes done (%.1f s)\n", now() - t0);
+    test_tuning_concurrent(4, 6, 100 / SLOW);
+    test_tuning_concurrent(0, 3, 100 / SLOW);
+    printf("  tuning changed under concurrent callers done (%.1f s)\n", now() - t0);
 
     if (SLOW == 1)
         report_speed();
