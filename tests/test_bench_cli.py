@@ -381,6 +381,52 @@ def test_output_into_a_missing_folder_fails_at_once(option, tmp_path, capsys, mo
     assert "Traceback" not in err
 
 
+# ---- the memory a case may take ---------------------------------------------------------
+
+GiB = 1 << 30
+V2_MOUNT = "41 31 0:38 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw\n"
+
+
+def fake_machine(tmp_path, available: int, cgroup: str, files: dict) -> str:
+    """A root with proc/meminfo (MemAvailable), proc/self/{cgroup,mountinfo} (one
+    cgroup2 mount) and the cgroup files named (path below the root -> content)."""
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/meminfo").write_text(f"MemTotal: {4 * available // 1024} kB\n"
+                                           f"MemAvailable: {available // 1024} kB\n")
+    (tmp_path / "proc/self/cgroup").write_text(cgroup)
+    (tmp_path / "proc/self/mountinfo").write_text(V2_MOUNT)
+    for path, content in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(content + "\n")
+    return str(tmp_path)
+
+
+def test_available_memory_is_the_room_in_the_processs_own_cgroups(tmp_path):
+    """Bug: the benchmark read memory.max at the cgroup mount's root only, so a job
+    in a nested cgroup (Slurm's, a systemd scope's) with a limit of its own saw the
+    machine's free memory and ran cases its limit would kill."""
+    job = "sys/fs/cgroup/system.slice/job_7"
+    root = fake_machine(tmp_path, 64 * GiB, "0::/system.slice/job_7/step_0\n", {
+        "sys/fs/cgroup/memory.max": "max",
+        f"{job}/memory.max": str(2 * GiB),
+        f"{job}/memory.current": str(GiB),
+        f"{job}/memory.stat": f"anon {GiB // 2}\ninactive_file {GiB // 4}",
+        f"{job}/step_0/memory.max": "max",
+    })
+    # What fastpin itself may still take there: the limit less an eighth, less
+    # the job's memory the kernel cannot simply drop (its usage but the inactive
+    # file pages).
+    from fastpin import _runtime
+
+    assert bench.host.meminfo_available(root) == _runtime.memory_room(root) == GiB
+
+
+def test_available_memory_without_a_limit_is_memavailable(tmp_path):
+    root = fake_machine(tmp_path, 5 * GiB, "0::/user.slice\n",
+                        {"sys/fs/cgroup/user.slice/memory.max": "max"})
+    assert bench.host.meminfo_available(root) == 5 * GiB
+
+
 # ---- the report where there is no GPU -----------------------------------------------
 
 @no_gpu
