@@ -5,12 +5,14 @@ README lists every option, path and compare() argument it takes.
 No timing thresholds: only what the output says."""
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -315,36 +317,63 @@ def test_readme_gives_compare_its_whole_signature(readme):
 
 # ---- make bench -------------------------------------------------------------------------
 
-def bench_recipe(bench_args: str) -> str:
-    """The command `make bench BENCH_ARGS=...` runs, as `make -n` prints it, with this
-    interpreter's venv for the Makefile's."""
-    if not (ROOT / "Makefile").exists() or shutil.which("make") is None:
-        pytest.skip("no Makefile next to tests/, or no make")
-    r = subprocess.run(["make", "-s", "-n", "bench", f"VENV={sys.prefix}", f"PY={sys.executable}",
-                        f"BENCH_ARGS={bench_args}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
+def installed_venv(where: Path) -> Path:
+    """A venv of its own with fastpin in it as `make install` puts it there, editable
+    (a .pth naming the clone), and this interpreter's packages (torch, matplotlib)
+    by another .pth: nothing else on its path, so only a recipe that imports the
+    venv's fastpin finds one."""
+    venv = where / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                           "['purelib'])"], capture_output=True, text=True, check=True,
+                          timeout=60).stdout.strip()
+    packages = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    (Path(site) / "fastpin-editable.pth").write_text(f"{ROOT}\n")
+    (Path(site) / "zz-test-packages.pth").write_text("\n".join(sorted(packages)) + "\n")
+    return venv
+
+
+def bench_recipe(bench_args: str, venv: Path) -> str:
+    """The command `make bench BENCH_ARGS=...` runs, as `make -n` prints it, with
+    `venv` for the Makefile's."""
+    r = subprocess.run(["make", "-s", "-n", "bench", f"VENV={venv}", f"BENCH_ARGS={bench_args}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     [line] = [ln for ln in r.stdout.splitlines() if "fastpin.bench" in ln]
     return line
 
 
 def test_make_bench_paths_are_relative_to_where_make_ran(tmp_path):
-    # Bug: the recipe ran `cd $(VENV) && bin/python -m fastpin.bench`, so
-    # BENCH_ARGS="--json run.json --plot run.png" wrote both into .venv/, and make
-    # clean deleted them. The same command line, run in another directory: it reads
-    # run.json from there, and imports the installed fastpin, not a fastpin/ there.
-    line = bench_recipe("--from-json run.json")
-    assert not line.startswith("cd "), line
-    (tmp_path / "fastpin").mkdir()
-    (tmp_path / "fastpin" / "__init__.py").write_text("raise ImportError('the source tree')\n")
+    """Bug: the recipe ran `cd $(VENV) && bin/python -m fastpin.bench`, so
+    BENCH_ARGS="--json run.json --plot run.png" wrote both into .venv/, and make
+    clean deleted them. The recipe `make bench` runs, with a venv that has fastpin
+    installed, run in another directory: it reads run.json from there and draws
+    run.png there, and imports the venv's fastpin, not a fastpin/ there."""
+    if not (ROOT / "Makefile").exists() or shutil.which("make") is None:
+        pytest.skip("no Makefile next to tests/, or no make")
+    plots = importlib.util.find_spec("matplotlib") is not None
+    venv = installed_venv(tmp_path)
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    line = bench_recipe("--from-json run.json" + (" --plot run.png" if plots else ""), venv)
+    assert not line.startswith("cd ") and line.startswith(str(venv / "bin" / "python")), line
+    (here / "fastpin").mkdir()
+    (here / "fastpin" / "__init__.py").write_text("raise ImportError('the source tree')\n")
+    res = bench.compare(eight_batches, paths=["pageable"], batches=2, warmup=0, min_seconds=0,
+                        device=None, progress=False)
     saved = {"machine": bench.machine(), "command": "python -m fastpin.bench --case tokens",
-             "order": [], "cases": [], "not_run_cases": {"tokens": "skipped: a pattern 7"}}
-    (tmp_path / "run.json").write_text(json.dumps(saved))
-    r = subprocess.run(line, shell=True, cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300)
+             "order": [], "cases": [res.to_dict()],
+             "not_run_cases": {"tokens": "skipped: a pattern 7"}}
+    (here / "run.json").write_text(json.dumps(saved))
+    r = subprocess.run(line, shell=True, cwd=here, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "`python -m fastpin.bench --case tokens`" in r.stdout
     assert "- tokens: skipped: a pattern 7" in r.stdout
+    if plots:
+        assert "Plot: run.png" in r.stdout and (here / "run.png").stat().st_size > 0
+        assert not list(venv.rglob("run.png")) and not (ROOT / "run.png").exists()
 
 
 def test_make_help_names_every_variable():
