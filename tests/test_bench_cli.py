@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 import fastpin
 from fastpin import bench
 from conftest import patterned
+from editable_venv import installed_venv
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "docs" / "benchmark.md"   # the benchmark guide: every option, path, compare()
@@ -316,24 +316,6 @@ def test_readme_gives_compare_its_whole_signature(readme):
 
 
 # ---- make bench -------------------------------------------------------------------------
-
-def installed_venv(where: Path) -> Path:
-    """A venv of its own with fastpin in it as `make install` puts it there, editable
-    (a .pth naming the clone), and this interpreter's packages (torch, matplotlib)
-    by another .pth: nothing else on its path, so only a recipe that imports the
-    venv's fastpin finds one."""
-    venv = where / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=120)
-    python = venv / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                           "['purelib'])"], capture_output=True, text=True, check=True,
-                          timeout=60).stdout.strip()
-    packages = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
-    (Path(site) / "fastpin-editable.pth").write_text(f"{ROOT}\n")
-    (Path(site) / "zz-test-packages.pth").write_text("\n".join(sorted(packages)) + "\n")
-    return venv
-
 
 def bench_recipe(bench_args: str, venv: Path) -> str:
     """The command `make bench BENCH_ARGS=...` runs, as `make -n` prints it, with
