@@ -5,6 +5,7 @@ README lists every option, path and compare() argument it takes.
 No timing thresholds: only what the output says."""
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import re
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 import fastpin
 from fastpin import bench
 from conftest import patterned
+from editable_venv import installed_venv
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "docs" / "benchmark.md"   # the benchmark guide: every option, path, compare()
@@ -315,36 +317,45 @@ def test_readme_gives_compare_its_whole_signature(readme):
 
 # ---- make bench -------------------------------------------------------------------------
 
-def bench_recipe(bench_args: str) -> str:
-    """The command `make bench BENCH_ARGS=...` runs, as `make -n` prints it, with this
-    interpreter's venv for the Makefile's."""
-    if not (ROOT / "Makefile").exists() or shutil.which("make") is None:
-        pytest.skip("no Makefile next to tests/, or no make")
-    r = subprocess.run(["make", "-s", "-n", "bench", f"VENV={sys.prefix}", f"PY={sys.executable}",
-                        f"BENCH_ARGS={bench_args}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
+def bench_recipe(bench_args: str, venv: Path) -> str:
+    """The command `make bench BENCH_ARGS=...` runs, as `make -n` prints it, with
+    `venv` for the Makefile's."""
+    r = subprocess.run(["make", "-s", "-n", "bench", f"VENV={venv}", f"BENCH_ARGS={bench_args}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     [line] = [ln for ln in r.stdout.splitlines() if "fastpin.bench" in ln]
     return line
 
 
 def test_make_bench_paths_are_relative_to_where_make_ran(tmp_path):
-    # Bug: the recipe ran `cd $(VENV) && bin/python -m fastpin.bench`, so
-    # BENCH_ARGS="--json run.json --plot run.png" wrote both into .venv/, and make
-    # clean deleted them. The same command line, run in another directory: it reads
-    # run.json from there, and imports the installed fastpin, not a fastpin/ there.
-    line = bench_recipe("--from-json run.json")
-    assert not line.startswith("cd "), line
-    (tmp_path / "fastpin").mkdir()
-    (tmp_path / "fastpin" / "__init__.py").write_text("raise ImportError('the source tree')\n")
+    """Bug: the recipe ran `cd $(VENV) && bin/python -m fastpin.bench`, so
+    BENCH_ARGS="--json run.json --plot run.png" wrote both into .venv/, and make
+    clean deleted them. The recipe `make bench` runs, with a venv that has fastpin
+    installed, run in another directory: it reads run.json from there and draws
+    run.png there, and imports the venv's fastpin, not a fastpin/ there."""
+    if not (ROOT / "Makefile").exists() or shutil.which("make") is None:
+        pytest.skip("no Makefile next to tests/, or no make")
+    plots = importlib.util.find_spec("matplotlib") is not None
+    venv = installed_venv(tmp_path)
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    line = bench_recipe("--from-json run.json" + (" --plot run.png" if plots else ""), venv)
+    assert not line.startswith("cd ") and line.startswith(str(venv / "bin" / "python")), line
+    (here / "fastpin").mkdir()
+    (here / "fastpin" / "__init__.py").write_text("raise ImportError('the source tree')\n")
+    res = bench.compare(eight_batches, paths=["pageable"], batches=2, warmup=0, min_seconds=0,
+                        device=None, progress=False)
     saved = {"machine": bench.machine(), "command": "python -m fastpin.bench --case tokens",
-             "order": [], "cases": [], "not_run_cases": {"tokens": "skipped: a pattern 7"}}
-    (tmp_path / "run.json").write_text(json.dumps(saved))
-    r = subprocess.run(line, shell=True, cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300)
+             "order": [], "cases": [res.to_dict()],
+             "not_run_cases": {"tokens": "skipped: a pattern 7"}}
+    (here / "run.json").write_text(json.dumps(saved))
+    r = subprocess.run(line, shell=True, cwd=here, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "`python -m fastpin.bench --case tokens`" in r.stdout
     assert "- tokens: skipped: a pattern 7" in r.stdout
+    if plots:
+        assert "Plot: run.png" in r.stdout and (here / "run.png").stat().st_size > 0
+        assert not list(venv.rglob("run.png")) and not (ROOT / "run.png").exists()
 
 
 def test_make_help_names_every_variable():
@@ -379,6 +390,52 @@ def test_output_into_a_missing_folder_fails_at_once(option, tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert f"error: {option} {target}: no folder {target.parent}" in err
     assert "Traceback" not in err
+
+
+# ---- the memory a case may take ---------------------------------------------------------
+
+GiB = 1 << 30
+V2_MOUNT = "41 31 0:38 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw\n"
+
+
+def fake_machine(tmp_path, available: int, cgroup: str, files: dict) -> str:
+    """A root with proc/meminfo (MemAvailable), proc/self/{cgroup,mountinfo} (one
+    cgroup2 mount) and the cgroup files named (path below the root -> content)."""
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/meminfo").write_text(f"MemTotal: {4 * available // 1024} kB\n"
+                                           f"MemAvailable: {available // 1024} kB\n")
+    (tmp_path / "proc/self/cgroup").write_text(cgroup)
+    (tmp_path / "proc/self/mountinfo").write_text(V2_MOUNT)
+    for path, content in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(content + "\n")
+    return str(tmp_path)
+
+
+def test_available_memory_is_the_room_in_the_processs_own_cgroups(tmp_path):
+    """Bug: the benchmark read memory.max at the cgroup mount's root only, so a job
+    in a nested cgroup (Slurm's, a systemd scope's) with a limit of its own saw the
+    machine's free memory and ran cases its limit would kill."""
+    job = "sys/fs/cgroup/system.slice/job_7"
+    root = fake_machine(tmp_path, 64 * GiB, "0::/system.slice/job_7/step_0\n", {
+        "sys/fs/cgroup/memory.max": "max",
+        f"{job}/memory.max": str(2 * GiB),
+        f"{job}/memory.current": str(GiB),
+        f"{job}/memory.stat": f"anon {GiB // 2}\ninactive_file {GiB // 4}",
+        f"{job}/step_0/memory.max": "max",
+    })
+    # What fastpin itself may still take there: the limit less an eighth, less
+    # the job's memory the kernel cannot simply drop (its usage but the inactive
+    # file pages).
+    from fastpin import _runtime
+
+    assert bench.host.meminfo_available(root) == _runtime.memory_room(root) == GiB
+
+
+def test_available_memory_without_a_limit_is_memavailable(tmp_path):
+    root = fake_machine(tmp_path, 5 * GiB, "0::/user.slice\n",
+                        {"sys/fs/cgroup/user.slice/memory.max": "max"})
+    assert bench.host.meminfo_available(root) == 5 * GiB
 
 
 # ---- the report where there is no GPU -----------------------------------------------

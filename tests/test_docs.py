@@ -2,11 +2,12 @@
 
 - benchmarks/RESULTS.md: each shell block carries a marker on the line before it,
   `<!-- runs on the CPU -->` (optionally `, in CI with: FLAGS`) or `<!-- needs a
-  GPU -->`. Every CPU block runs here as written, from the clone's root with this
-  interpreter's venv first on PATH (as after the quick start), FLAGS appended to
-  each `python` command to keep it short. Every GPU block's `python` commands run
-  with `--help` appended, which parses every option shown before it prints: a
-  renamed option or a removed script fails here.
+  GPU -->`. Every CPU block runs here as written, from the clone's root, first on
+  PATH a venv with fastpin installed as the quick start installs it (editable:
+  tests/editable_venv.py), FLAGS appended to each `python` command to keep it
+  short. Every GPU block's `python` commands run with `--help` appended, which
+  parses every option shown before it prints: a renamed option or a removed
+  script fails here.
 - README.md, docs/ and benchmarks/ name no paths of the machines they were
   written on and say nothing of how the work on fastpin was organised.
 """
@@ -16,10 +17,11 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from editable_venv import installed_venv
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
@@ -74,11 +76,16 @@ def test_results_blocks_are_marked():
     assert any(kind == "cpu" for _, kind, _, _ in BLOCKS)
 
 
-def shell(commands: str, timeout: float) -> subprocess.CompletedProcess:
-    """Run as a user of the venv would, from the clone's root: this interpreter's
-    bin/ first on PATH, and no PYTHONPATH (the venv must find fastpin itself)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory) -> Path:
+    return installed_venv(tmp_path_factory.mktemp("docs"))
+
+
+def shell(commands: str, timeout: float, venv: Path) -> subprocess.CompletedProcess:
+    """Run as a user of the venv would, from the clone's root: the venv's bin/
+    first on PATH, and no PYTHONPATH (the venv must find fastpin itself)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["PATH"] = str(venv / "bin") + os.pathsep + env.get("PATH", "")
     env["MPLBACKEND"] = "agg"
     return subprocess.run(["bash", "-ec", commands], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -101,17 +108,17 @@ GPU = [pytest.param(cmd, id=f"RESULTS.md:{line}") for line, kind, _, cmd in BLOC
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("commands, flags", CPU)
-def test_cpu_commands_of_results_run(commands, flags):
-    r = shell(with_flags(commands, flags), timeout=240)
+def test_cpu_commands_of_results_run(commands, flags, venv):
+    r = shell(with_flags(commands, flags), timeout=240, venv=venv)
     assert r.returncode == 0, f"{with_flags(commands, flags)}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("commands", GPU)
-def test_gpu_commands_of_results_take_their_options(commands):
+def test_gpu_commands_of_results_take_their_options(commands, venv):
     for line in commands.splitlines():
         words = shlex.split(line)
         if any(re.fullmatch(r"python3?", w) for w in words[:3]):
-            r = shell(f"{line} --help", timeout=120)
+            r = shell(f"{line} --help", timeout=120, venv=venv)
             assert r.returncode == 0 and "usage" in r.stdout.lower(), \
                 f"{line} --help\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
         else:

@@ -13,6 +13,8 @@ Blocks with no marker are fragments (a method of a LightningModule, a line of a
 larger script) and are not run; a block that shows one of the calls in MUST_RUN
 must be marked. Each marked block runs in a fresh interpreter (this one's python,
 importing the fastpin this test imported), in an empty folder, with a timeout.
+A block's `fastpin.bench.compare` must measure what it claims: every path that
+can run here runs, none runs out of batches or times too few to mean much.
 """
 from __future__ import annotations
 
@@ -38,14 +40,29 @@ GIVEN = {
     "torch": "import torch\n",
     "DataLoader": "from torch.utils.data import DataLoader\n",
     "RandomSampler": "from torch.utils.data import RandomSampler\n",
-    # Enough samples for compare()'s 1 + 3 warm-up + 100 timed batches of 256.
+    # 16 batches of 256: far fewer than compare() takes from each path (its warm-up,
+    # then at least `batches` and a second), so its example must draw with replacement.
     "dataset": """\
         import torch
         from torch.utils.data import TensorDataset
-        dataset = TensorDataset(torch.arange(256 * 110 * 8, dtype=torch.float32).reshape(-1, 8),
-                                torch.arange(256 * 110))
+        dataset = TensorDataset(torch.arange(256 * 16 * 8, dtype=torch.float32).reshape(-1, 8),
+                                torch.arange(256 * 16))
         """,
 }
+# Put before a block that calls fastpin.bench.compare: its results are checked as
+# they come back (a loader that runs out is no example to copy).
+CHECK_COMPARE = """\
+import fastpin.bench as _bench
+
+def _checked_compare(*args, _compare=_bench.compare, **kwargs):
+    results = _compare(*args, **kwargs)
+    bad = [f"{r.label}: {r.status}, {r.batches} timed: {r.reason}" for r in results.rows
+           if not r.unavailable and (not r.ok or r.reason or _bench._too_few(r))]
+    assert not bad, "compare() of this example measured too little:\\n" + "\\n".join(bad)
+    return results
+
+_bench.compare = _checked_compare
+"""
 # Examples of these must be marked, and so run here.
 MUST_RUN = ("fastpin.install()", "fastpin.pin_memory(", "fastpin.Loader(dataloader",
             "zero_copy=False", "bench.compare(")
@@ -122,6 +139,8 @@ def _params():
 @pytest.mark.parametrize("name, line, code, given", list(_params()))
 def test_block_runs(name, line, code, given, tmp_path):
     setup = "".join(textwrap.dedent(GIVEN[g]) for g in given)
+    if "bench.compare(" in code:
+        setup += CHECK_COMPARE
     script = tmp_path / f"block_{line}.py"
     script.write_text(setup + code + "\n")
     env = dict(os.environ, PYTHONPATH=str(Path(fastpin.__file__).parent.parent), MPLBACKEND="agg")

@@ -8,32 +8,30 @@ import platform
 import time
 
 import fastpin
-from fastpin import _C
+from fastpin import _C, _runtime
 
 from ._optional import torch
 
 MB = 1 << 20  # sizes are MiB (and labelled so); rates are GB/s of 1e9 bytes
 
 
-def meminfo_available() -> int:
-    """Bytes this process may still allocate: MemAvailable, capped by the cgroup."""
+def meminfo_available(root: str = "/") -> int:
+    """Bytes this process may still allocate: MemAvailable, capped by the room its
+    own cgroup and every one above it leave (fastpin._runtime.memory_room, as
+    fastpin sizes its own memory: a limit binds wherever it is set, not only at
+    the cgroup mount's root). `root`: where /proc and the cgroup mounts are
+    found (a fake tree, in tests)."""
     avail = None
     try:
-        with open("/proc/meminfo") as f:
+        with open(os.path.join(root, "proc/meminfo")) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            with open("/sys/fs/cgroup/memory.current") as f:
-                room = int(limit) - int(f.read())
-            avail = room if avail is None else min(avail, room)
     except (OSError, ValueError):
         pass
+    room = _runtime.memory_room(root)
+    if room is not None:
+        avail = room if avail is None else min(avail, room)
     return avail if avail is not None else 1 << 62
 
 
