@@ -424,7 +424,10 @@ def wrap_collate(collate_fn: Optional[Callable], pool: "Pool",
     DataLoader runs a pin thread): see _adopt_installed."""
     if collate_fn is default_collate:
         collate_fn = None
-    limits = (batches_ahead(pool.loader) + pool.depth, pool.capacity if pool.fixed else pool.cap)
+    # What a fallback's error says of the pool (_segments.why_full); a Pool
+    # may be made without its DataLoader's shape (loader=None).
+    ahead = pool.depth + (batches_ahead(pool.loader) if pool.loader is not None else 0)
+    limits = (ahead, pool.capacity if pool.fixed else pool.cap)
     return _WorkerCollate(collate_fn, pool.carried, pool.directory, ship, limits)
 
 

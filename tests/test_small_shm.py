@@ -15,12 +15,14 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 import fastpin
+from fastpin import _C, _segments
 
 from conftest import assert_same, patterned
 
@@ -144,6 +146,34 @@ def test_user_collate_errors_pass_unchanged(installed_capped, shm_full, collate)
     else:
         assert last.startswith("RuntimeError: unable to allocate shared memory(shm)"), message
     assert "shared pool" not in message and "direct cause" not in message, message
+
+
+@pytest.mark.parametrize("limit, fixed, cap, loader, words", [
+    (_segments._LIMIT_NONE, True, 0, True, ("its capacity is fixed", "capacity=4194304")),
+    (_segments._LIMIT_NONE, False, 4 << 20, True,
+     ("at its cap of 4194304", "max_capacity", "FASTPIN_ZERO_COPY_MAX_BYTES")),
+    (_segments._LIMIT_NONE, False, 4 << 20, False,
+     ("at its cap of 4194304", "raise FASTPIN_ZERO_COPY_MAX_BYTES to 4194304")),
+    (_segments._LIMIT_NONE, False, 1 << 30, False, ("sized for the batches in flight",)),
+    (_segments._LIMIT_REFUSED, False, 1 << 30, False, ("driver refused", "ulimit -l")),
+    (_segments._LIMIT_TIGHT, False, 1 << 30, False, ("cgroup's memory limit", "more memory")),
+], ids=["fixed", "cap-loader", "cap-install", "sized", "refused", "tight"])
+def test_why_full_names_what_limits_the_pool(limit, fixed, cap, loader, words):
+    """What a worker reads of the pool for the message: from the segments'
+    shared stats and the directory's word for why it could not grow."""
+    arena = _C.Arena(4 << 20, shared=True, cuda=False)
+    held = [arena.alloc(1 << 20) for _ in range(2)]
+    directory = None if fixed else types.SimpleNamespace(map=bytearray(_segments._DIR_BYTES))
+    if directory is not None:
+        _segments._set_word(directory.map, _segments._DIR_LIMIT, limit)
+    facts, fixes, alive = _segments.why_full([arena], directory, (3, cap), 1 << 20, loader)
+    text = f"{facts}: {'; '.join(fixes)}"
+    assert facts.startswith("4194304 bytes in 1 segment, 2 batches in it (2097152 bytes)"), text
+    assert "up to 3" in facts and "keeps" not in facts, text
+    assert alive == 4
+    for word in words:
+        assert word in text, text
+    del held
 
 
 # ---- in a mount namespace with a tmpfs of its own on /dev/shm -----------------
