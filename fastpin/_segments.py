@@ -54,6 +54,10 @@ _DIR_COUNT, _DIR_SERVED, _DIR_WANTED, _DIR_CLOSED, _DIR_FALLBACKS = 0, 8, 16, 24
 # (Pool.collect) for the workers: a worker that finds the pool full of blocks
 # the GPU still reads wakes it, and waits for this to move.
 _DIR_COLLECTED = 40
+# Why the pool could not grow when a worker last asked (_LIMIT_*), for the
+# error of a batch that fell back and then found no room in /dev/shm.
+_DIR_LIMIT = 48
+_LIMIT_NONE, _LIMIT_REFUSED, _LIMIT_TIGHT = 0, 1, 2
 _DIR_ENTRIES = 64           # then (fd in the creator, token, capacity) per segment
 _MAX_SEGMENTS = 64
 _DIR_BYTES = _DIR_ENTRIES + 24 * _MAX_SEGMENTS
@@ -370,6 +374,7 @@ class Pool:
                 if add < wanted:
                     self.tight = (f"its cgroup's memory limit of {cgroup_memory_limit()} bytes "
                                   f"leaves {room} bytes (after an eighth kept free)")
+                    _set_word(view, _DIR_LIMIT, _LIMIT_TIGHT)
                     _set_word(view, _DIR_SERVED, wanted)  # no room now: workers fall back
                     log.debug("fastpin: shared arena not grown for blocks of %d bytes: its "
                               "cgroup's memory limit leaves %d bytes", wanted, room)
@@ -381,12 +386,14 @@ class Pool:
                 arena = self.make(add)
             except (_C.FastpinError, OSError) as e:
                 self.refused = str(e)
+                _set_word(view, _DIR_LIMIT, _LIMIT_REFUSED)
                 log.warning("fastpin zero-copy: could not add %d bytes to the shared "
                             "arena (%s); it stays at %d bytes, and batches that do not fit are "
                             "pinned by copy. %s", add, self.refused, have, REFUSED_ADVICE)
                 self._cap_reached()
                 return
             self._add(arena)
+            _set_word(view, _DIR_LIMIT, _LIMIT_NONE)
             # The entry, then the count, then served, in this order: a worker
             # reads served before the list, so a pool it finds served for its
             # batch lists the segment that was made for it.
@@ -471,6 +478,58 @@ def advice_for(pool) -> str:
     if pool.tight:
         return f"{pool.tight}. {TIGHT_ADVICE}"
     return ""
+
+
+def _held(arenas: list) -> tuple:
+    """(capacity, blocks in use, their bytes, blocks freed but still read by the
+    GPU) of a pool's segments, from their shared stats: every process's blocks."""
+    stats = [a.stats() for a in arenas]
+    return tuple(sum(s[key] for s in stats)
+                 for key in ("capacity", "blocks_in_use", "bytes_in_use", "blocks_pending"))
+
+
+def why_full(arenas: list, directory: "Optional[_Directory]", limits: tuple, block: int,
+             loader: bool) -> tuple:
+    """For a worker whose block of `block` bytes found no room in the pool of
+    `arenas` (and `directory`, None for a fixed pool): (what holds the pool and
+    what limits it, a sentence; what would let it hold the batch, a list of
+    fixes; the batches alive at once, this one counted). limits: (the batches
+    the DataLoader holds in flight and hands over, the pool's cap); loader: a
+    fastpin.Loader's pool, else install()'s."""
+    ahead, cap = limits
+    capacity, blocks, held, pending = _held(arenas)
+    kept = blocks - ahead
+    facts = (f"{capacity} bytes in {len(arenas)} segment{'' if len(arenas) == 1 else 's'}, "
+             f"{blocks} batches in it ({held} bytes)")
+    if pending:
+        facts += f", {pending} of them freed but still read by the GPU"
+    facts += (f"; the DataLoader's batches in flight and the next ones handed over "
+              f"account for up to {ahead}")
+    fixes = []
+    if kept > 0:
+        facts += f", so the loop keeps about {kept} alive"
+        fixes.append("keep fewer batches alive (each one held keeps its block)")
+    alive = max(blocks, ahead) + 1
+    room = block * alive
+    limit = _LIMIT_NONE if directory is None else _word(directory.map, _DIR_LIMIT)
+    if limit == _LIMIT_REFUSED:
+        facts += "; it could not grow: the driver refused to page-lock more"
+        fixes.append(REFUSED_ADVICE[0].lower() + REFUSED_ADVICE[1:])
+    elif limit == _LIMIT_TIGHT:
+        facts += "; it could not grow: its cgroup's memory limit leaves no room"
+        fixes.append(TIGHT_ADVICE[0].lower() + TIGHT_ADVICE[1:])
+    elif directory is None:
+        facts += "; its capacity is fixed"
+        fixes.append(f"give fastpin.Loader capacity={room} or more")
+    elif capacity + block > cap:
+        facts += f"; it is at its cap of {cap} bytes"
+        knob = ("fastpin.Loader(max_capacity=...) (or FASTPIN_ZERO_COPY_MAX_BYTES where "
+                "max_capacity is not given)" if loader else "FASTPIN_ZERO_COPY_MAX_BYTES")
+        fixes.append(f"raise {knob} to {room} bytes or more")
+    elif not fixes:
+        facts += "; it is sized for the batches in flight"
+        fixes.append("keep fewer batches alive (each one held keeps its block)")
+    return facts, fixes, alive
 
 
 def fallbacks() -> int:

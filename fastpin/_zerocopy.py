@@ -33,12 +33,14 @@ died before its batch arrived are reclaimed at the end of the epoch.
 """
 from __future__ import annotations
 
+import os
 import time
 from multiprocessing import reduction
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import (
     collate,
     collate_tensor_fn,
@@ -64,10 +66,13 @@ from ._segments import (  # noqa: F401 - the names the Loader, the bench and tes
     FREE_WAIT_S,
     register,
     shared_maker,
+    why_full,
 )
 from ._leaves import Plan, Stack, stackable
 from ._runtime import process
 from ._walk import flatten, map_leaves
+
+_MB = 1e6
 
 # Worker processes: the arenas attached there, by token (_runtime empties it at fork).
 _attached = process.attached
@@ -97,6 +102,76 @@ def _stack_now(tree):
     """The ordinary path for a tree of placeholders (the arena was full)."""
     return map_leaves(tree, lambda x: isinstance(x, _Stack),
                       lambda s: collate_tensor_fn(s.samples))
+
+
+def _shareable(x) -> bool:
+    return (type(x) is torch.Tensor and x.device.type == "cpu" and x.layout == torch.strided
+            and not (x.is_nested or x.is_quantized or x.is_shared())
+            and not (x.requires_grad and x.grad_fn is not None)
+            and x.untyped_storage().nbytes() > 0)
+
+
+def _to_shared(tree):
+    """A worker's fallback batch, its tensors moved into shared memory (/dev/shm)
+    here, as pickling them onto the result queue would: there, on the queue's
+    own thread, a failure (a full /dev/shm) is only printed and the batch lost,
+    and the main process waits for it until its timeout, or forever. Those
+    default_collate stacked are there already; the user's collate_fn may give
+    others. Tensors torch would refuse to send are left for it to refuse."""
+    if get_worker_info() is None:
+        return tree  # collated where it is used: nothing crosses a queue
+    from torch.multiprocessing import get_sharing_strategy
+
+    by_name = get_sharing_strategy() == "file_system"
+    for leaf in flatten(tree, _shareable)[1]:
+        if _shareable(leaf):  # two leaves may share a storage
+            storage = leaf.untyped_storage()
+            if by_name:
+                storage._share_filename_cpu_()
+            else:
+                storage._share_fd_cpu_()
+    return tree
+
+
+# torch's words when it cannot make or fill a file in /dev/shm (MapAllocator).
+_SHM_ERRORS = ("shared memory", "</torch_", "unable to write to file <", "unable to mmap")
+
+
+def _shm_room() -> tuple:
+    """(size, free bytes) of /dev/shm, or (None, None) where it cannot be read."""
+    try:
+        s = os.statvfs("/dev/shm")
+    except OSError:
+        return None, None
+    return s.f_blocks * s.f_frsize, s.f_bavail * s.f_frsize
+
+
+def _docker_size(nbytes: int) -> str:
+    mib = -(-nbytes // (1 << 20))
+    return f"{-(-mib // 1024)}g" if mib > 1024 else f"{mib}m"
+
+
+def _no_shm_room(exc: RuntimeError, nbytes: int, pool: tuple) -> Optional[str]:
+    """The message for a fallback batch of `nbytes` that torch could not place in
+    /dev/shm (exc), naming both limits and their fixes; None where exc is
+    another error. pool: the full pool's (facts, fixes, batches alive), from
+    _segments.why_full."""
+    text = str(exc)
+    size, free = _shm_room()
+    if not any(words in text for words in _SHM_ERRORS) or not (
+            "No space left on device" in text or (free is not None and free < nbytes)):
+        return None
+    facts, fixes, alive = pool
+    shm = ("its size could not be read" if size is None else
+           f"/dev/shm is {size} bytes ({size / _MB:.1f} MB), {free} bytes free")
+    return (
+        f"fastpin: a DataLoader worker found fastpin's shared pool full and collated a batch "
+        f"of {nbytes} bytes ({nbytes / _MB:.1f} MB) the ordinary way, through /dev/shm, "
+        f"which had no room for it: {shm}. The shared pool: {facts}. Either limit is the "
+        f"fix: give /dev/shm room for {alive} such batches (docker run "
+        f"--shm-size={_docker_size(alive * nbytes)} or more; under Kubernetes, a "
+        f"memory-backed emptyDir mounted on /dev/shm), or let the pool hold them: "
+        f"{'; or '.join(fixes)}.")
 
 
 def _placeable(x) -> bool:
@@ -248,11 +323,13 @@ class _WorkerCollate:
     segments added since) and, for a self-sizing pool, of its directory, through
     which a worker asks for room and finds the segments added while it runs."""
 
-    def __init__(self, collate_fn: Optional[Callable], segments, directory=None, ship=None):
+    def __init__(self, collate_fn: Optional[Callable], segments, directory=None, ship=None,
+                 limits=(0, 0)):
         self.collate_fn = collate_fn  # None: default_collate
         self.segments = segments      # [(fd, token)], newest first
         self.directory = directory    # None, or (pool id, dir fd, wake fd, creator pid)
         self.ship = ship              # None: for a Loader; install(): (pool id, pin thread)
+        self.limits = limits          # (batches in flight and handed over, the pool's cap)
         self.is_leaf = _placeable if ship is None else _placeable_or_self_pinning
 
     def __reduce__(self):
@@ -263,15 +340,15 @@ class _WorkerCollate:
             directory = (pool, reduction.DupFd(dir_fd), reduction.DupFd(wake), creator)
         return (_WorkerCollate._rebuild,
                 (self.collate_fn, [(reduction.DupFd(fd), token) for fd, token in self.segments],
-                 directory, self.ship))
+                 directory, self.ship, self.limits))
 
     @staticmethod
-    def _rebuild(collate_fn, segments, directory, ship):
+    def _rebuild(collate_fn, segments, directory, ship, limits):
         if directory is not None:
             pool, dir_fd, wake, creator = directory
             directory = (pool, dir_fd.detach(), wake.detach(), creator)
         return _WorkerCollate(collate_fn, [(dup.detach(), token) for dup, token in segments],
-                              directory, ship)
+                              directory, ship, limits)
 
     def _arenas(self) -> tuple:
         """(the arenas to try, newest first; this pool's directory or None)."""
@@ -320,9 +397,24 @@ class _WorkerCollate:
             asked = True
         if directory is not None:
             directory.count_fallback()
+            arenas = directory.arenas
         elif arenas:
             arenas[0].count_fallback()
-        return _stack_now(tree) if self.collate_fn is None else tree
+        try:
+            return _to_shared(_stack_now(tree) if self.collate_fn is None else tree)
+        except RuntimeError as exc:
+            message = self._no_shm_room(exc, tree, arenas, directory)
+            if message is None:
+                raise
+            raise RuntimeError(message) from exc
+
+    def _no_shm_room(self, exc: RuntimeError, tree, arenas: list, directory) -> Optional[str]:
+        """The message for a fallback batch that found no room in /dev/shm
+        either, or None (exc is about something else)."""
+        plan = _plan(tree, self.is_leaf)[2]
+        pool = why_full(arenas, directory, self.limits, _C.block_size(max(plan.nbytes, 1)),
+                        loader=self.ship is None)
+        return _no_shm_room(exc, plan.data_bytes, pool)
 
 
 def wrap_collate(collate_fn: Optional[Callable], pool: "Pool",
@@ -332,7 +424,11 @@ def wrap_collate(collate_fn: Optional[Callable], pool: "Pool",
     DataLoader runs a pin thread): see _adopt_installed."""
     if collate_fn is default_collate:
         collate_fn = None
-    return _WorkerCollate(collate_fn, pool.carried, pool.directory, ship)
+    # What a fallback's error says of the pool (_segments.why_full); a Pool
+    # may be made without its DataLoader's shape (loader=None).
+    ahead = pool.depth + (batches_ahead(pool.loader) if pool.loader is not None else 0)
+    limits = (ahead, pool.capacity if pool.fixed else pool.cap)
+    return _WorkerCollate(collate_fn, pool.carried, pool.directory, ship, limits)
 
 
 def dataloader_view(loader, collate_fn: Callable):
