@@ -2,7 +2,7 @@
 
     settings    the configuration: fastpin.configure() over the FASTPIN_*
                 environment (capacity, threads, device, on_full, wait_timeout,
-                allow_unpinned, numa, streaming, zero_copy)
+                allow_unpinned, numa, streaming, zero_copy, install_device)
     process     what belongs to this process alone: its default arenas, the
                 shared arenas it made or attached, where it pinned the copy
                 threads, its running Loader threads, whether CUDA is usable
@@ -124,6 +124,18 @@ def env_exact(name: str, words: tuple, allowed: str) -> None:
         raise ValueError(f"{name}={value!r}: must be {allowed}")
 
 
+def env_cuda_device(name: str) -> Optional[str]:
+    """A CUDA device named in the environment: "cuda" or "cuda:N" (unset or
+    empty: None)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    kind, colon, index = value.partition(":")
+    if kind != "cuda" or (colon and not index.isdigit()):
+        raise ValueError(f"{name}={value!r}: must be cuda (the current GPU) or cuda:N")
+    return value
+
+
 SYSFS_ROOT_ENV = "FASTPIN_SYSFS_ROOT"  # where _numa reads the topology (tests give a fake tree)
 
 
@@ -149,6 +161,9 @@ def read_environment() -> dict:
         "streaming": env_flag("FASTPIN_STREAMING", True),
         # install() and Loader(dl) collate in the workers (zero-copy) by default.
         "zero_copy": env_flag("FASTPIN_ZERO_COPY", True),
+        # install() without a device: None (batches pinned on the host), or
+        # "cuda" / "cuda:N" (batches delivered there).
+        "install_device": env_cuda_device("FASTPIN_INSTALL_DEVICE"),
     }
 
 
@@ -173,7 +188,7 @@ class Settings:
     __getattr__ loads them; from then on they are plain attributes."""
 
     FIELDS = ("capacity", "threads", "device", "on_full", "wait_timeout", "allow_unpinned",
-              "numa", "streaming", "zero_copy")
+              "numa", "streaming", "zero_copy", "install_device")
 
     def __getattr__(self, name: str):
         if name not in Settings.FIELDS:
@@ -226,7 +241,8 @@ class Process:
         self.pools: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self.pinned: dict = {}       # NUMA node -> the CPUs the copy pool is pinned to for it
         self.producers: "weakref.WeakSet[Any]" = weakref.WeakSet()  # Loader threads running
-        # install(): DataLoader -> (CUDA ordinal, the zero-copy Pool of its iterators).
+        # install(): DataLoader -> (CUDA ordinal, the zero-copy Pool of its
+        # iterators, their delivery Stats).
         self.installed_pools: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
         self.reset()
 

@@ -147,7 +147,7 @@ class _Shipped:
         self.token, self.index, self.nbytes = token, index, nbytes
         self.layout = layout  # (record, objects, tree, data bytes): _record.encode
         self.block = block    # the worker's hold, given up once pickled
-        self.ship = ship      # None: for a Loader; install(): (pool id, pin thread)
+        self.ship = ship      # None: for a Loader; install(): (pool id, handover)
 
     def __reduce__(self):
         if self.block is not None:
@@ -208,15 +208,23 @@ def _adopt(token, index, nbytes, record, objects, tree, data_bytes):
     return Adopted(arena.adopt(index, nbytes), record, objects, tree, data_bytes)
 
 
-def _adopt_installed(token, index, nbytes, record, objects, tree, data_bytes, pool, pin_thread):
+# install(): how the main process hands an adopted batch on (_Shipped.ship[1]).
+VIEWS, PIN_THREAD, DELIVER = 0, 1, 2
+
+
+def _adopt_installed(token, index, nbytes, record, objects, tree, data_bytes, pool, handover):
     """A batch of an iterator fastpin.install() set up, as it is unpickled in the
     main process (the pin thread, or the iterator itself where none runs): for
-    the pin thread to make into views (PinnedInWorkers), or its views now."""
+    the pin thread to make into views (PIN_THREAD: a PinnedInWorkers), its views
+    now (VIEWS), or as it is, for install(device=...)'s delivery (DELIVER: the
+    Adopted, which it copies to the device as one block)."""
+    batch = _adopt(token, index, nbytes, record, objects, tree, data_bytes)
+    if handover == DELIVER:
+        return batch  # its step looks at the GPU's fences itself
     own = _pools.get(pool)
     if own is not None:
         own.collect()  # only this process can see the GPU finish with blocks
-    batch = _adopt(token, index, nbytes, record, objects, tree, data_bytes)
-    if pin_thread:
+    if handover == PIN_THREAD:
         return PinnedInWorkers(batch.block, record, objects, tree, data_bytes)
     return receive(batch)[0]
 
@@ -251,7 +259,7 @@ class _WorkerCollate:
         self.collate_fn = collate_fn  # None: default_collate
         self.segments = segments      # [(fd, token)], newest first
         self.directory = directory    # None, or (pool id, dir fd, wake fd, creator pid)
-        self.ship = ship              # None: for a Loader; install(): (pool id, pin thread)
+        self.ship = ship              # None: for a Loader; install(): (pool id, handover)
         self.is_leaf = _placeable if ship is None else _placeable_or_self_pinning
 
     def __reduce__(self):
@@ -327,8 +335,9 @@ class _WorkerCollate:
 def wrap_collate(collate_fn: Optional[Callable], pool: "Pool",
                  ship: Optional[tuple] = None) -> _WorkerCollate:
     """The collate_fn for workers that write into `pool`'s segments. ship: None
-    for a Loader (it adopts what arrives); for install(), (pool id, whether the
-    DataLoader runs a pin thread): see _adopt_installed."""
+    for a Loader (it adopts what arrives); for install(), (pool id, how the
+    main process hands the batch on: VIEWS, PIN_THREAD, DELIVER): see
+    _adopt_installed."""
     if collate_fn is default_collate:
         collate_fn = None
     return _WorkerCollate(collate_fn, pool.carried, pool.directory, ship)
@@ -371,11 +380,12 @@ def receive(batch: Any, consumer_stream: Any = None) -> tuple:
     return batch.views(), True
 
 
-def device_views(batch: "Adopted", buffer: torch.Tensor) -> Optional[Any]:
+def device_views(batch: "Adopted", buffer: torch.Tensor, ordinary=None) -> Optional[Any]:
     """The batch with each leaf a view of `buffer`, a device tensor of the
     block's bytes that one copy fills (at the leaf's offset, with its shape and
-    strides: _record.device_specs); None when a leaf has a NumPy dtype torch
-    does not know (the caller then takes the ordinary path, which says so)."""
+    strides: _record.device_specs), those not in the block ordinary(x) (or as
+    they are); None when a leaf has a NumPy dtype torch does not know (the
+    caller then takes the ordinary path, which says so)."""
     objects = batch.objects
     views = []
     for (offset, nbytes, dtype, obj, numpy, shape, strides,
@@ -387,4 +397,4 @@ def device_views(batch: "Adopted", buffer: torch.Tensor) -> Optional[Any]:
         region = buffer[offset:offset + nbytes].view(dtype)
         view = region.view(shape) if strides is None else region.as_strided(shape, strides)
         views.append(view.requires_grad_() if grad else view)
-    return batch.views(leaf=views)
+    return batch.views(ordinary, leaf=views)
