@@ -272,9 +272,19 @@ class CopyToDevice(PassThrough):
             return self.prepare(batch)
 
     def deliver(self, item):
+        """The consumer's current stream waits on the batch's copy, and its
+        device memory is record_stream'ed onto that stream (freed, it is reused
+        only once the stream is past its use). A copy still running (issued
+        `depth` batches ago: the bus is behind, and the consumer would wait for
+        it anyway) is also waited for here, so that the batch is whole for
+        every stream, as a pinned host batch is: code that reads it on a side
+        stream of its own without waiting on the current one (timm's
+        PrefetchLoader normalises there) reads no byte early."""
         out, event, made = item
         stream = self.torch.cuda.current_stream(self.device)
         stream.wait_event(event)
+        if not event.query():
+            event.synchronize()  # a blocking event: the thread sleeps
         for t in made:
             t.record_stream(stream)
         return out
