@@ -356,7 +356,9 @@ class CopyToDevice(PassThrough):
         from . import _zerocopy
 
         block = batch.block
-        buffer = self.torch.empty(block.nbytes, dtype=self.torch.uint8, device=self.device)
+        # Whole 16 bytes: every dtype can view all of it (device_views).
+        buffer = self.torch.empty(-(-block.nbytes // 16) * 16, dtype=self.torch.uint8,
+                                  device=self.device)
         made = [buffer]  # the views share its memory: it alone is record_stream'ed
         tree = _zerocopy.device_views(batch, buffer, self.ordinary(made))
         if tree is None:

@@ -205,8 +205,8 @@ def _tables() -> None:
 def device_specs(record: bytes) -> list:
     """Each leaf of `record` as a device view of the block's bytes needs it:
     (offset, nbytes, torch dtype or None, index of the dtype object or None,
-    whether that object is a NumPy dtype, shape, strides or None where
-    contiguous, requires grad). Read in Python (the Loader's device mode
+    whether that object is a NumPy dtype, shape, strides (in elements),
+    requires grad). Read in Python (the Loader's device mode
     slices one device buffer, no host view made) and kept by record: batches
     of one structure send the same bytes."""
     specs = _device_specs.get(record)
@@ -227,8 +227,6 @@ def device_specs(record: bytes) -> list:
             dtype = _torch_of_code.get((code, bits, type_))
         else:
             dtype = _torch_of_num.get(type_)
-        if strides == _leaves.contiguous_strides(shape):
-            strides = None
         specs.append((offset, nbytes, dtype, None if obj == NONE else obj, kind == ARRAY,
                       shape, strides, bool(flags & REQUIRES_GRAD)))
     if len(_device_specs) >= _SPECS_KEPT:

@@ -382,11 +382,12 @@ def receive(batch: Any, consumer_stream: Any = None) -> tuple:
 
 def device_views(batch: "Adopted", buffer: torch.Tensor, ordinary=None) -> Optional[Any]:
     """The batch with each leaf a view of `buffer`, a device tensor of the
-    block's bytes that one copy fills (at the leaf's offset, with its shape and
+    block's bytes (its length a multiple of 16) that one copy fills (at the leaf's offset, with its shape and
     strides: _record.device_specs), those not in the block ordinary(x) (or as
     they are); None when a leaf has a NumPy dtype torch does not know (the
     caller then takes the ordinary path, which says so)."""
     objects = batch.objects
+    typed: dict = {}  # dtype -> the whole buffer viewed as it: one view a leaf, not three
     views = []
     for (offset, nbytes, dtype, obj, numpy, shape, strides,
          grad) in _record.device_specs(batch.record):
@@ -394,7 +395,13 @@ def device_views(batch: "Adopted", buffer: torch.Tensor, ordinary=None) -> Optio
             dtype = _leaves.torch_dtype_of(objects[obj]) if numpy else objects[obj]
         if dtype is None:
             return None
-        region = buffer[offset:offset + nbytes].view(dtype)
-        view = region.view(shape) if strides is None else region.as_strided(shape, strides)
+        whole = typed.get(dtype)
+        if whole is None:
+            whole = typed[dtype] = buffer.view(dtype)
+        step = whole.element_size()
+        if offset % step:  # never for fastpin's blocks (leaves are granule-aligned)
+            view = buffer[offset:offset + nbytes].view(dtype).as_strided(shape, strides)
+        else:
+            view = whole.as_strided(shape, strides, offset // step)
         views.append(view.requires_grad_() if grad else view)
     return batch.views(ordinary, leaf=views)
