@@ -155,7 +155,7 @@ if [ "$what" = install ]; then
     fi
 fi
 if [ "$what" = engine ]; then
-    step timeout 210 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_delivery_gpu.py \
+    step timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_delivery_gpu.py \
         tests/test_stream_safety.py tests/test_loader.py tests/test_loader_stats.py \
         tests/test_install.py tests/test_zero_copy.py tests/test_zero_copy_reuse.py \
         tests/test_zero_copy_sizing.py tests/test_record.py tests/test_shutdown.py \
@@ -164,7 +164,7 @@ if [ "$what" = engine ]; then
     step timeout 80 env PYTHONPATH="$PWD" python3 benchmarks/install_threads.py --workers 15 \
         --batches 150 --case tokens --case token_windows --case images_f32 --case recsys \
         --path install_device --path zero_copy_cuda --path install --json "$OUT/engine_cpu.json"
-    step timeout 120 python3 -m fastpin.bench --case tokens --case images_f32 --case recsys \
+    step timeout 110 python3 -m fastpin.bench --case tokens --case images_f32 --case recsys \
         --path pin_memory --path prefetcher --path install --path install_device \
         --path zero_copy --path loader_cuda --workers 15 --max-seconds 2 --no-progress \
         --json "$OUT/engine_bench.json"
@@ -174,7 +174,7 @@ if [ "$what" = engine ]; then
     else
         echo "(bench_train does not take install_device: its table without it)"
     fi
-    step timeout 70 python3 -m fastpin.bench_train --workers 15 --steps 30 $train_paths
+    step timeout 110 python3 -m fastpin.bench_train --workers 15 --steps 30 $train_paths
 fi
 if [ "$what" = profile ]; then
     step env PYTHONPATH="$PWD" python3 benchmarks/profile_zero_copy.py "$@"
