@@ -502,21 +502,26 @@ class Ahead:
         self.ended = False     # the source said StopIteration (or raised) this round
         self.pulling = False   # inside pull(): the source may shut itself down there
 
-    def next(self, pull: Callable[[], Any]):
+    def next(self, pull: Callable[[], Any], ready: Optional[Callable[[], bool]] = None):
         """The next batch; pull() gives the source's next one (StopIteration at
-        its end)."""
+        its end). ready(), where given, says whether pull() would return
+        without waiting: batches beyond the one to hand over are taken only
+        while it says so, so that a slow or hung worker never holds back a
+        batch that has arrived (a DataLoader's: batch_ready)."""
         if not self.ended:
-            self.fill(pull)
+            self.fill(pull, ready)
         if self.pending:
             return self.step.deliver(self.pending.popleft())
         return self.finish()
 
-    def fill(self, pull: Callable[[], Any]) -> None:
+    def fill(self, pull: Callable[[], Any], ready: Optional[Callable[[], bool]]) -> None:
         pending, prepare = self.pending, self.step.prepare_here
         clock = time.perf_counter
         waited = prepared = 0.0
         try:
             while len(pending) <= self.depth:
+                if pending and ready is not None and not ready():
+                    return
                 t0 = clock()
                 self.pulling = True
                 try:
@@ -577,7 +582,10 @@ class Delivering:
     _fastpin_ahead: Ahead
 
     def _next_data(self):
-        return self._fastpin_ahead.next(super()._next_data)
+        return self._fastpin_ahead.next(super()._next_data, self._fastpin_ready)
+
+    def _fastpin_ready(self) -> bool:
+        return batch_ready(self)
 
     def _reset(self, *args, **kwargs):
         ahead = self.__dict__.get("_fastpin_ahead")
@@ -592,6 +600,28 @@ class Delivering:
         if ahead is not None and not ahead.pulling:
             ahead.clear()
         super()._shutdown_workers()
+
+
+def batch_ready(it) -> bool:
+    """Whether DataLoader iterator `it` (with workers) has its next batch here:
+    arrived out of order and kept, or something in its queue (with in_order,
+    that may be a later batch: next() then waits for the one it needs, as it
+    would have)."""
+    info = it._task_info.get(it._rcvd_idx)
+    if info is not None and len(info) == 2:
+        return True
+    try:
+        return not it._data_queue.empty()
+    except (OSError, ValueError):  # closed: next() says why
+        return True
+
+
+def ready_of(source) -> Optional[Callable[[], bool]]:
+    """batch_ready for `source`, a DataLoader iterator with workers; None for
+    any other source (Ahead then takes its batches ahead as they come)."""
+    if all(hasattr(source, name) for name in ("_task_info", "_rcvd_idx", "_data_queue")):
+        return lambda: batch_ready(source)
+    return None
 
 
 _delivering: dict = {}   # iterator class -> its Delivering subclass

@@ -522,6 +522,7 @@ class _Epoch:
         self.ahead: Optional[_delivery.Ahead] = None
         if owner.depth == 0 or _worker_backed(self.producer.source):
             self.ahead = _delivery.Ahead(self.producer.mode, owner.depth, owner._stats)
+            self.ready = _delivery.ready_of(self.producer.source)
             self.lock = threading.Lock()  # one thread at a time in the source
             self._finalizer = weakref.finalize(self, _end_here, self.producer)
         else:
@@ -548,7 +549,7 @@ class _Epoch:
             if self.closed:
                 raise StopIteration
             try:
-                return self.ahead.next(self.producer.source.__next__)
+                return self.ahead.next(self.producer.source.__next__, self.ready)
             except BaseException:
                 self.close()  # its end, its error or Ctrl-C: the epoch is over
                 raise
