@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from . import _torch
 from ._C import ArenaFullError, CudaError, FastpinError
-from ._arena import CudaStatus, configure, cuda_available, cuda_status, default_arena
+from ._arena import (CudaStatus, configure, cuda_available, cuda_status, default_arena,
+                     made_default_arena)
 from ._install import install, installed, uninstall
 from ._loader import Loader
 from ._pin import pin_memory
+from ._runtime import counters
 
 __version__ = "0.1.0"
 
@@ -28,8 +30,6 @@ def stats() -> dict:
     and of the current GPU's default arena (bytes in use, high-water, blocks per
     class, ...), or "arena": None before anything made it: reading stats
     page-locks nothing."""
-    from ._arena import made_default_arena
-    from ._runtime import counters
     arena = made_default_arena()
     return {**counters(), "arena": None if arena is None else arena.stats()}
 

@@ -41,7 +41,8 @@ import types
 import weakref
 from typing import Any, Optional
 
-from . import _torch
+from . import _delivery, _graphs, _numa, _torch
+from ._arena import cuda_status, device_index
 from ._pin import pin_memory
 from ._runtime import check_bool, cuda_available, process, replaced, settings
 
@@ -150,8 +151,6 @@ def _cuda_device(device: Any):
         raise ValueError(f"fastpin.install(device={device!r}): batches are delivered to a CUDA "
                          "GPU ('cuda' or 'cuda:N'); leave device unset for pinned host batches")
     _check_gpu(device)
-    from . import _graphs
-
     _graphs.watch()  # the blocks it hands out are fenced on free
     return cuda
 
@@ -159,8 +158,6 @@ def _cuda_device(device: Any):
 def _check_gpu(device: Any) -> None:
     torch = sys.modules["torch"]
     if not (cuda_available() and torch.cuda.is_available()):
-        from ._arena import cuda_status
-
         raise RuntimeError(f"fastpin.install(device={device!r}): no usable CUDA GPU here "
                            f"({cuda_status().reason}); leave device unset for pinned host batches")
 
@@ -198,7 +195,7 @@ def _zero_copy(it, loader, handover: int, index: Optional[int] = None):
 
 def _deliver(it, loader, zero_copy: bool, device) -> None:
     """`it` hands its batches over on `device` through the delivery engine."""
-    from . import _delivery, _zerocopy
+    from . import _zerocopy
 
     index = device.index if device.index is not None else _current_device()
     pool, stats = (_zero_copy(it, loader, _zerocopy.DELIVER, index) if zero_copy
@@ -227,8 +224,7 @@ def _pool_for(loader, index: Optional[int] = None) -> tuple:
     `index` (None: the current one), kept while `loader` lives (a weak key: the
     pool holds only what sizing needs, never the DataLoader); the delivery
     stats of its iterators)."""
-    from . import _delivery, _numa, _zerocopy
-    from ._arena import device_index
+    from . import _zerocopy
 
     index = device_index(None) if index is None else index
     try:

@@ -27,7 +27,7 @@ import weakref
 from typing import Any, Iterable, Optional, Union
 
 from . import _C, _delivery, _graphs, _numa, _torch
-from ._arena import cuda_available, default_arena, device_index
+from ._arena import cuda_available, default_arena, device_index, made_default_arena
 from ._grow import GrowingArena
 from ._runtime import check_capacity, check_int, process, settings
 
@@ -272,8 +272,6 @@ class Loader:
         """batches, bytes, host_to_pinned_gbps (producer side), consumer_wait_s (time
         next() waited for a batch), fallbacks, pool_high_water, pool_capacity (0
         while no arena is made: reading stats makes and page-locks nothing)."""
-        from ._arena import made_default_arena
-
         if self._pool is not None:
             return self._stats.as_dict(self._pool.stats())
         arena = self._arena
