@@ -75,7 +75,7 @@ from ._segments import (  # noqa: F401 - the names the Loader, the bench and tes
     FREE_WAIT_S,
     register,
 )
-from ._arena import make_arena
+from . import _arena
 from ._leaves import Plan, Stack, stackable
 from ._runtime import process
 from ._walk import flatten, map_leaves
@@ -257,8 +257,8 @@ def shared_maker(index: int, node: Optional[int]) -> Callable[[int], _C.Arena]:
     device `index` here (-1: no GPU, nothing registered), their pages on NUMA
     node `node` (None: where the kernel puts them)."""
     def make(nbytes: int) -> _C.Arena:
-        return make_arena(nbytes, shared=True, device=max(index, 0), cuda=index >= 0,
-                          numa_node=node)
+        return _arena.make_arena(nbytes, shared=True, device=max(index, 0), cuda=index >= 0,
+                                 numa_node=node)
 
     return make
 

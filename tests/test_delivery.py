@@ -440,6 +440,8 @@ def test_install_device_shutdown_drops_what_is_ahead(fake_device):
     dl = DataLoader(PatternDataset(n=40), batch_size=BATCH, num_workers=2, pin_memory=True)
     it = iter(dl)
     next(it)
+    time.sleep(1.0)  # the workers' next batches arrive: the next next() takes them ahead
+    next(it)
     assert it._fastpin_ahead.pending
     it._shutdown_workers()
     assert not it._fastpin_ahead.pending
