@@ -1,10 +1,15 @@
 """Where install()'s main-process CPU goes, beside Loader(zero_copy): every
-thread of this process by name (/proc/self/task), per batch, for uint8 images
-3x224x224 batch 256 (the bench's images_u8), each path delivering to the GPU
-with .to(non_blocking=True) in the loop as a training script does (the
-Loader's device="cuda" copies in its own thread instead).
+thread of this process by name (/proc/self/task), per batch, for the bench's
+workload cases (--case, repeatable; default images_u8), each path delivering
+to the GPU: install and zero_copy_host with .to(non_blocking=True) in the loop
+as a training script does; zero_copy_cuda (Loader(dl, device="cuda")) and
+install_device (install(device="cuda")) deliver there themselves, in the
+loop's own next() (the .to() is a no-op). The line gives the batch's leaves
+and the budget of main-process CPU a zero-copy device batch is held to
+(50 us + 3 us a leaf).
 
     python benchmarks/install_threads.py [--workers 15] [--batches 200] [--case images_u8]
+        [--path install_device --path zero_copy_cuda]
 
 Also says whether the install() batch's leaves are pinned as torch sees them
 (is_pinned), how long the loop's .to() calls take on the CPU, and the shared
@@ -24,6 +29,15 @@ from fastpin.bench import workloads
 from fastpin.bench.procfs import threads
 
 
+def tensors(batch) -> list:
+    """The tensor leaves of a batch (a dict, list or tuple, nested)."""
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        return [t for x in batch for t in tensors(x)]
+    return [batch] if isinstance(batch, torch.Tensor) else []
+
+
 def cpu_by_name(before: dict, after: dict) -> dict:
     out: collections.Counter = collections.Counter()
     for tid, t in after.items():
@@ -40,18 +54,21 @@ def run(path: str, case: str, workers: int, batches: int) -> dict:
     if path == "install":
         fastpin.install()
         source = make(True)
+    elif path == "install_device":
+        fastpin.install(device="cuda")
+        source = make(True)
     elif path == "zero_copy_host":
         source = fastpin.Loader(make(False), device=None, zero_copy=True)
     else:
         source = fastpin.Loader(make(False), device=device, zero_copy=True)
     it = iter(source)
-    to_s, pinned = 0.0, None
+    to_s, pinned, nleaves = 0.0, None, 0
     for k, batch in enumerate(it):
         if k == 10:
             torch.cuda.synchronize()
             t0, before = time.perf_counter(), threads()
-        leaves = [x for x in (batch if isinstance(batch, (list, tuple)) else batch.values())
-                  if isinstance(x, torch.Tensor)]
+        leaves = tensors(batch)
+        nleaves = nleaves or len(leaves)
         if not leaves[0].is_cuda:
             if pinned is None:
                 pinned = [x.is_pinned() for x in leaves]
@@ -64,7 +81,7 @@ def run(path: str, case: str, workers: int, batches: int) -> dict:
             torch.cuda.synchronize()
             t1, after = time.perf_counter(), threads()
             break
-    if path == "install":
+    if path in ("install", "install_device"):
         from fastpin._runtime import process
 
         pool = process.installed_pools[source][1]
@@ -73,11 +90,12 @@ def run(path: str, case: str, workers: int, batches: int) -> dict:
         stats = source.stats()
         stats = {k: v for k, v in stats.items() if "pool" in k or k == "fallbacks"}
     del it, source
-    if path == "install":
+    if path in ("install", "install_device"):
         fastpin.uninstall()
     by_name = {n: round(ms / batches, 3) for n, ms in sorted(cpu_by_name(before, after).items())
                if ms / batches >= 0.005}
     return {"path": path, "case": case, "workers": workers, "batches": batches,
+            "leaves": nleaves, "budget_ms_per_batch": round((50 + 3 * nleaves) / 1e3, 3),
             "ms_per_batch": round((t1 - t0) * 1e3 / batches, 3),
             "cpu_ms_per_batch": round(sum(cpu_by_name(before, after).values()) / batches, 3),
             "to_cpu_ms_per_batch": round(to_s * 1e3 / batches, 3), "is_pinned": pinned,
@@ -91,12 +109,19 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=15)
     parser.add_argument("--batches", type=int, default=200)
-    parser.add_argument("--case", default="images_u8", choices=sorted(workloads.CASES))
+    parser.add_argument("--case", action="append", choices=sorted(workloads.CASES))
     parser.add_argument("--path", action="append",
-                        choices=["install", "zero_copy_host", "zero_copy_cuda"])
+                        choices=["install", "zero_copy_host", "zero_copy_cuda", "install_device"])
+    parser.add_argument("--json", help="write the lines here too, as a list")
     args = parser.parse_args()
-    for path in args.path or ["install", "zero_copy_host", "zero_copy_cuda"]:
-        print(json.dumps(run(path, args.case, args.workers, args.batches)), flush=True)
+    rows = []
+    for case in args.case or ["images_u8"]:
+        for path in args.path or ["install", "zero_copy_host", "zero_copy_cuda", "install_device"]:
+            rows.append(run(path, case, args.workers, args.batches))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

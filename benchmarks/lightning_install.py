@@ -83,13 +83,9 @@ def child(path: str, dtype: str, workers: int, steps: int, warmup: int) -> dict:
     t0, t1 = model.times
     out = {"path": path, "dtype": dtype, "workers": workers, "ips": steps * batch / (t1 - t0)}
     if path.startswith("install"):
-        # The main process's own, and the workers' (in the pool install() gave
-        # each DataLoader Lightning iterated).
-        from fastpin._runtime import process
-
-        pools = [pool for _, pool in list(process.installed_pools.values())]
-        out["fallbacks"] = fastpin.stats()["fallbacks"] + sum(
-            (pool.stats() or {}).get("fallbacks", 0) for pool in pools)
+        # Every fallback of this process: its own, and its DataLoader workers'
+        # (the pools install() gave the DataLoaders Lightning iterated).
+        out["fallbacks"] = fastpin.stats()["fallbacks"]
     return out
 
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from . import _torch
 from ._C import ArenaFullError, CudaError, FastpinError
-from ._arena import CudaStatus, configure, cuda_available, cuda_status, default_arena
+from ._arena import (CudaStatus, configure, cuda_available, cuda_status, default_arena,
+                     made_default_arena)
 from ._install import install, installed, uninstall
 from ._loader import Loader
 from ._pin import pin_memory
+from ._runtime import counters
+from ._segments import fallbacks
 
 __version__ = "0.1.0"
 
@@ -30,9 +33,6 @@ def stats() -> dict:
     page-locks nothing. fallbacks: every batch that went the ordinary way, also
     those DataLoader workers could not place in a zero-copy pool (install()'s and
     the Loaders' self-sizing pools still alive; worker_fallbacks: those alone)."""
-    from ._arena import made_default_arena
-    from ._runtime import counters
-    from ._segments import fallbacks
     arena = made_default_arena()
     out = counters()
     out["worker_fallbacks"] = fallbacks()

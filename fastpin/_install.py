@@ -1,43 +1,61 @@
-"""fastpin.install(): DataLoader(pin_memory=True) pins through fastpin, and its
-workers collate straight into a shared pinned arena (zero-copy).
+"""fastpin.install(): DataLoader(pin_memory=True) pins through fastpin, its
+workers collate straight into a shared pinned arena (zero-copy), and, with
+install(device="cuda"), its batches arrive on the GPU.
 
 Two hooks, both undone by uninstall():
 
 - torch's pin function (torch.utils.data._utils.pin_memory.pin_memory), which
   DataLoader's pin thread and its single-process path look up at each batch,
   becomes fastpin.pin_memory.
-- zero-copy (unless install(zero_copy=False) or FASTPIN_ZERO_COPY=0): every
-  DataLoader iterator runs _BaseDataLoaderIter.__init__ (torch's and
+- every DataLoader iterator runs _BaseDataLoaderIter.__init__ (torch's and
   torchdata's StatefulDataLoader's alike) before it starts its workers with
-  the collate_fn that __init__ read. For a DataLoader with pin_memory=True and
-  workers, the hook gives that iterator _zerocopy's collate_fn over a
-  self-sizing Pool (one per DataLoader, kept while the DataLoader lives, so
-  later epochs find it sized). The DataLoader itself is not touched: its
-  collate_fn stays the user's, and iterators made after uninstall() are
-  stock. An iterator keeps its collate_fn (its workers were started with
-  it) and its pool to its end, so an epoch in flight finishes either way.
+  the collate_fn that __init__ read, and before it starts its pin thread. For
+  a DataLoader with pin_memory=True and workers, the hook (_on_iterator):
+  - zero-copy (unless install(zero_copy=False) or FASTPIN_ZERO_COPY=0): gives
+    the iterator _zerocopy's collate_fn over a self-sizing Pool (one per
+    DataLoader, kept while the DataLoader lives, so later epochs find it
+    sized);
+  - device (install(device=...) or FASTPIN_INSTALL_DEVICE): turns its pin
+    thread off and mixes _delivery.Delivering into it, so that each batch goes
+    from the worker through the delivery engine (the same step as
+    Loader(device)'s), copied on a side stream `_DEPTH` batches ahead in the
+    consumer's own next(), ready on the consumer's current stream.
+  The DataLoader itself is not touched: its collate_fn stays the user's, and
+  iterators made after uninstall() are stock. An iterator keeps what it was
+  given (its workers were started with it) to its end, so an epoch in flight
+  finishes either way.
 
 What arrives is adopted in the main process as it is unpickled
 (_zerocopy._adopt_installed): with a pin thread (a GPU), as a PinnedInWorkers
 whose pin_memory() gives its host views, already pinned, and pins the leaves
 the worker could not place; without one (torch turns pin_memory off where
-there is no accelerator) as the views themselves: the batch is exact either
-way, and DataLoader's per-tensor shared-memory IPC is gone in both.
+there is no accelerator) as the views themselves; delivered to a device, as
+the adopted block, which the step copies as one. The batch is exact either
+way, and DataLoader's per-tensor shared-memory IPC is gone in all three.
 """
 from __future__ import annotations
 
+import sys
 import threading
+import types
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
-from . import _torch
+from . import _delivery, _graphs, _numa, _torch
+from ._arena import cuda_status, device_index
 from ._pin import pin_memory
-from ._runtime import check_bool, process, replaced, settings
+from ._runtime import check_bool, cuda_available, process, replaced, settings
 
 _lock = threading.Lock()
 # The depth a Pool is sized for beyond the workers' batches in flight: the
-# batch the user holds and the one the pin thread hands over.
+# batch the user holds and the one the pin thread hands over; delivered to a
+# device, the batches prepared ahead of the consumer (their blocks are freed
+# once copied).
 _DEPTH = 2
+# What install() set, read by the hook when an iterator is made: zero_copy,
+# and the device batches go to (None: pinned on the host; a torch.device of
+# type cuda, its index None for the current GPU when the iterator is made).
+_mode: dict = {"zero_copy": False, "device": None}
 
 
 def _target():
@@ -51,34 +69,51 @@ def _iterators():
     return dataloader._BaseDataLoaderIter
 
 
-def install(zero_copy: Optional[bool] = None) -> None:
+def install(zero_copy: Optional[bool] = None, device: Any = None) -> None:
     """Make every DataLoader with pin_memory=True pin through fastpin.pin_memory,
     and (zero_copy, default True unless FASTPIN_ZERO_COPY=0) collate in its
     workers straight into a shared pinned arena when it has workers.
 
+    device: "cuda", "cuda:N", N or a torch.device of type cuda (default: None,
+    or FASTPIN_INSTALL_DEVICE): every iterator made from now on of a
+    DataLoader with pin_memory=True and workers yields its batches already on
+    that GPU ("cuda": the current one when the iterator is made, so one
+    process per GPU under torchrun gets its own), in the same structure:
+    copied on a side stream 2 batches ahead of the loop, the loop's current
+    stream made to wait on each (no host synchronisation). The loop's own
+    .to(device, non_blocking=True) is then a no-op. The GPU memory held is
+    those batches, returned when the iterator ends (its end, del, a new epoch,
+    its workers shut down). A StatefulDataLoader's iterator takes no batch
+    ahead (its state counts what it handed over), its copy still on the side
+    stream. Without a usable GPU, install(device=...) raises at once.
+
     DataLoader's pin thread (and its single-process path) look up
     torch.utils.data._utils.pin_memory.pin_memory at each batch, so loaders
-    already made switch over too; zero-copy applies to every iterator made from
-    now on, of DataLoaders made before too. Idempotent (a second call sets
-    zero_copy as it says); undone by uninstall()."""
+    already made switch over too; zero-copy and device delivery apply to every
+    iterator made from now on, of DataLoaders made before too. Idempotent (a
+    second call sets zero_copy and device as it says); undone by uninstall()."""
     module = _target()
     zero_copy = settings.zero_copy if zero_copy is None else check_bool("zero_copy", zero_copy)
+    cuda = _cuda_device(settings.install_device if device is None else device)
     iterators = _iterators()
     with _lock:
         if "pin_memory" not in replaced:
             replaced["pin_memory"] = module.pin_memory
             module.pin_memory = pin_memory
-        if zero_copy and "iterator_init" not in replaced:
+        _mode.update(zero_copy=zero_copy, device=cuda)
+        hooked = zero_copy or cuda is not None
+        if hooked and "iterator_init" not in replaced:
             original = replaced["iterator_init"] = iterators.__init__
 
             def __init__(self, loader, *args, **kwargs):
                 original(self, loader, *args, **kwargs)
-                _zero_copy(self, loader)
+                _on_iterator(self, loader)
 
             __init__.__wrapped__ = original
             iterators.__init__ = __init__
-        elif not zero_copy and "iterator_init" in replaced:
+        elif not hooked and "iterator_init" in replaced:
             iterators.__init__ = replaced.pop("iterator_init")
+        if not zero_copy:
             process.installed_pools.clear()
 
 
@@ -90,6 +125,7 @@ def uninstall() -> None:
             _target().pin_memory = replaced.pop("pin_memory")
         if "iterator_init" in replaced:
             _iterators().__init__ = replaced.pop("iterator_init")
+        _mode.update(zero_copy=False, device=None)
         process.installed_pools.clear()  # each goes once its iterators are gone
 
 
@@ -97,48 +133,114 @@ def installed() -> bool:
     return "pin_memory" in replaced
 
 
-def _zero_copy(it, loader) -> None:
-    """Give DataLoader iterator `it`, just made from `loader` and before it starts
-    its workers, the collate_fn that places batches in the shared arena."""
+def _cuda_device(device: Any):
+    """install()'s `device` as a torch.device of type cuda (index None: the
+    current GPU when an iterator is made), or None; raises at once where no
+    GPU is usable, saying why."""
+    if device is None:
+        return None
+    torch = sys.modules["torch"]
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError("fastpin.install: device must be None, 'cuda', 'cuda:N', an int or a "
+                        f"torch.device, not {device!r}")
+    try:
+        cuda = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    except RuntimeError as exc:
+        raise ValueError(f"fastpin.install: device={device!r}: {exc}") from None
+    if cuda.type != "cuda":
+        raise ValueError(f"fastpin.install(device={device!r}): batches are delivered to a CUDA "
+                         "GPU ('cuda' or 'cuda:N'); leave device unset for pinned host batches")
+    _check_gpu(device)
+    _graphs.watch()  # the blocks it hands out are fenced on free
+    return cuda
+
+
+def _check_gpu(device: Any) -> None:
+    torch = sys.modules["torch"]
+    if not (cuda_available() and torch.cuda.is_available()):
+        raise RuntimeError(f"fastpin.install(device={device!r}): no usable CUDA GPU here "
+                           f"({cuda_status().reason}); leave device unset for pinned host batches")
+
+
+def _on_iterator(it, loader) -> None:
+    """DataLoader iterator `it`, just made from `loader` and before it starts its
+    workers and its pin thread: what install() asks of it."""
     if not (getattr(loader, "pin_memory", False) and getattr(it, "_num_workers", 0) > 0):
         return
     from . import _zerocopy
 
-    collate = it._collate_fn
-    if isinstance(collate, _zerocopy._WorkerCollate):
+    if isinstance(it._collate_fn, _zerocopy._WorkerCollate):
         return  # a fastpin.Loader's own view of the DataLoader
-    pool = _pool_for(loader)
-    it._collate_fn = _zerocopy.wrap_collate(
-        collate, pool, (pool.directory[0], bool(getattr(it, "_pin_memory", False))))
+    zero_copy, device = _mode["zero_copy"], _mode["device"]
+    if device is not None:
+        _deliver(it, loader, zero_copy, device)
+    elif zero_copy:
+        _zero_copy(it, loader, _zerocopy.PIN_THREAD if getattr(it, "_pin_memory", False)
+                   else _zerocopy.VIEWS)
+
+
+def _zero_copy(it, loader, handover: int, index: Optional[int] = None):
+    """Give `it` the collate_fn that places batches in the shared arena (the
+    pool of `loader`, for GPU `index`: None, the current one); (that pool,
+    the delivery stats of its iterators)."""
+    from . import _zerocopy
+
+    pool, stats = _pool_for(loader, index)
+    it._collate_fn = _zerocopy.wrap_collate(it._collate_fn, pool, (pool.directory[0], handover))
     # The iterator holds the pool (its workers write into it) to its end; then,
     # its workers shut down, what they held and nobody adopted goes back.
     weakref.finalize(it, pool.reclaim).atexit = False
+    return pool, stats
 
 
-def _pool_for(loader):
-    """The self-sizing pool of `loader`'s iterators, made on first use for the
-    current GPU, kept while `loader` lives (a weak key: the pool holds only
-    what sizing needs, never the DataLoader)."""
-    import types
+def _deliver(it, loader, zero_copy: bool, device) -> None:
+    """`it` hands its batches over on `device` through the delivery engine."""
+    from . import _zerocopy
 
-    from . import _numa, _zerocopy
-    from ._arena import device_index
+    index = device.index if device.index is not None else _current_device()
+    pool, stats = (_zero_copy(it, loader, _zerocopy.DELIVER, index) if zero_copy
+                   else (None, _delivery.Stats()))
+    # A StatefulDataLoader's state counts the batches its iterator handed
+    # over: none is taken from it ahead of the consumer.
+    depth = 0 if callable(getattr(it, "state_dict", None)) else _DEPTH
+    target = _delivery.Target(
+        _torch.require("fastpin.install").device("cuda", index), index, depth, stats,
+        pool=pool, loader=_shape(loader), pin_objects=True, who="fastpin.install(device=...)")
+    _delivery.deliver_from(it, _delivery.choose(target, zero_copy)(), depth)
 
-    index = device_index(None)
+
+def _current_device() -> int:
+    return sys.modules["torch"].cuda.current_device()
+
+
+def _shape(loader):
+    """What sizing needs of `loader`, without holding it."""
+    return types.SimpleNamespace(num_workers=loader.num_workers,
+                                 prefetch_factor=loader.prefetch_factor)
+
+
+def _pool_for(loader, index: Optional[int] = None) -> tuple:
+    """(the self-sizing pool of `loader`'s iterators, made on first use for GPU
+    `index` (None: the current one), kept while `loader` lives (a weak key: the
+    pool holds only what sizing needs, never the DataLoader); the delivery
+    stats of its iterators)."""
+    from . import _zerocopy
+
+    index = device_index(None) if index is None else index
     try:
         cached = process.installed_pools.get(loader)
     except TypeError:  # unhashable: a pool for this iterator alone
         cached = None
     if cached is not None and cached[0] == index:
         cached[1].reclaim()  # blocks a previous epoch's killed workers held
-        return cached[1]
+        return cached[1], cached[2]
     make = _zerocopy.shared_maker(index, _numa.for_device(index if index >= 0 else None).node)
-    shape = types.SimpleNamespace(num_workers=loader.num_workers,
-                                  prefetch_factor=loader.prefetch_factor)
-    pool = _zerocopy.Pool(make, loader=shape, depth=_DEPTH, cap=_zerocopy.default_cap(index >= 0))
+    pool = _zerocopy.Pool(make, loader=_shape(loader), depth=_DEPTH,
+                          cap=_zerocopy.default_cap(index >= 0))
     pool.warn_fallbacks = True  # no Loader here to say so: the pool does (tell_fallbacks)
+    stats = _delivery.Stats()
     try:
-        process.installed_pools[loader] = (index, pool)
+        process.installed_pools[loader] = (index, pool, stats)
     except TypeError:
         pass
-    return pool
+    return pool, stats

@@ -3,7 +3,7 @@ previous step computes.
 
 Each epoch has a producer (_Producer: a background thread and a queue, `depth`
 batches ahead) that takes batches from the wrapped iterable and hands each to
-the Loader's mode (_modes: pass through, pin on the host, copy to the device,
+the Loader's mode (_delivery: pass through, pin on the host, copy to the device,
 adopt what zero-copy workers placed), chosen once when the Loader is made;
 the consumer's iterator (_Epoch) hands the prepared batches over. Leaving an
 epoch never waits on the source (_Producer.shutdown). On a device, the mode
@@ -27,8 +27,8 @@ import time
 import weakref
 from typing import Any, Iterable, Optional, Union
 
-from . import _C, _graphs, _modes, _numa, _torch
-from ._arena import cuda_available, default_arena, device_index
+from . import _C, _delivery, _graphs, _numa, _torch
+from ._arena import cuda_available, default_arena, device_index, made_default_arena
 from ._grow import GrowingArena
 from ._runtime import check_capacity, check_int, memory_room, process, settings
 
@@ -155,7 +155,7 @@ class Loader:
         self._source: Any = _own_workers(loader)  # what an epoch iterates
         self.depth = depth
         self._arena = arena
-        self._stats = _modes.Stats()
+        self._stats = _delivery.Stats()
         self.zero_copy = False
         if device is None:
             self.device = None
@@ -185,7 +185,11 @@ class Loader:
         self._pool: Any = None  # zero-copy: the shared arena's segments (_zerocopy.Pool)
         if zero_copy:
             self._setup_zero_copy(arena, capacity, max_capacity)
-        self._mode = _modes.choose(self.device, self.zero_copy)
+        # What is done to each batch (_delivery): a step made for each epoch.
+        self._target = _delivery.Target(
+            self.device, self._index, depth, self._stats,
+            arena=None if self.zero_copy else self._arena, pool=self._pool, loader=self.loader)
+        self._mode = _delivery.choose(self._target, self.zero_copy)
 
     def _check_arena(self, arena: _C.Arena) -> None:
         """An arena registered in another GPU's context would record its frees there:
@@ -251,7 +255,7 @@ class Loader:
         untouched."""
         self._pid = os.getpid()
         self._active = self._producer = None
-        self._stats = _modes.Stats()
+        self._stats = _delivery.Stats()
         if self.zero_copy:
             log.info("fastpin.Loader: iterated in a process forked from the one that made it; "
                      "zero-copy's shared arena is that process's, so this one's batches take "
@@ -259,7 +263,10 @@ class Loader:
             self._pool = self._arena = None
             self._source = _own_workers(self.loader)
             self.zero_copy = False
-            self._mode = _modes.choose(self.device, False)
+        self._target = _delivery.Target(
+            self.device, self._index, self.depth, self._stats,
+            arena=None if self.zero_copy else self._arena, pool=self._pool, loader=self.loader)
+        self._mode = _delivery.choose(self._target, self.zero_copy)
 
     def state_dict(self) -> dict:
         """The wrapped loader's state (torchdata's StatefulDataLoader, say). Batches
@@ -297,8 +304,6 @@ class Loader:
         """batches, bytes, host_to_pinned_gbps (producer side), consumer_wait_s (time
         next() waited for a batch), fallbacks, pool_high_water, pool_capacity (0
         while no arena is made: reading stats makes and page-locks nothing)."""
-        from ._arena import made_default_arena
-
         if self._pool is not None:
             return self._stats.as_dict(self._pool.stats())
         arena = self._arena
@@ -325,7 +330,7 @@ class _Producer:
     reference to the consumer's iterator, so dropping that (a break) stops it."""
 
     def __init__(self, owner: Loader, previous: "Optional[_Producer]" = None, start: bool = True):
-        self.mode = owner._mode(owner)  # what is done to each batch (_modes)
+        self.mode = owner._mode()  # what is done to each batch (_delivery)
         self.stats = owner._stats
         self.placement = owner._placement
         self.queue: queue.Queue = queue.Queue(maxsize=owner.depth)
@@ -361,8 +366,11 @@ class _Producer:
         self.previous = previous if previous is not None and not _worker_backed(previous.source) else None
         self.thread = threading.Thread(target=self.run, name="fastpin-loader", daemon=True)
         if start:
-            process.producers.add(self)
-            self.thread.start()
+            self.start()
+
+    def start(self) -> None:
+        process.producers.add(self)
+        self.thread.start()
 
     def run(self) -> None:
         source = self.source
@@ -576,17 +584,28 @@ def _shutdown_workers(source) -> None:
 
 class _Epoch:
     """The consumer's iterator over one epoch. Any number of threads may draw
-    from it; each sees the end. Closing it never waits on the source: see
-    _Producer.shutdown, run when the epoch is dropped (as a DataLoader iterator
-    shuts its workers down in __del__)."""
+    from it; each sees the end. Where the source has worker processes (a
+    DataLoader with workers: they run ahead already), and with depth=0, each
+    batch is taken from the source and prepared in the consumer's own next(),
+    `depth` batches ahead (_delivery.Ahead); else the producer's thread does
+    it, a queue ahead. Closing it never waits on the source: see
+    _Producer.shutdown and _end_here, run when the epoch is dropped (as a
+    DataLoader iterator shuts its workers down in __del__)."""
 
     def __init__(self, owner: Loader, previous: Optional[_Producer] = None):
-        self.sync = owner.depth == 0
-        self.producer = _Producer(owner, previous, start=not self.sync)
+        self.producer = _Producer(owner, previous, start=False)
         self.deliver = self.producer.mode.deliver
         self.stats = owner._stats
         self.closed = False
-        self._finalizer = weakref.finalize(self, self.producer.shutdown)
+        self.ahead: Optional[_delivery.Ahead] = None
+        if owner.depth == 0 or _worker_backed(self.producer.source):
+            self.ahead = _delivery.Ahead(self.producer.mode, owner.depth, owner._stats)
+            self.ready = _delivery.ready_of(self.producer.source)
+            self.lock = threading.Lock()  # one thread at a time in the source
+            self._finalizer = weakref.finalize(self, _end_here, self.producer)
+        else:
+            self.producer.start()
+            self._finalizer = weakref.finalize(self, self.producer.shutdown)
         # At interpreter exit, nothing is joined or shut down (the exit hook
         # stops the thread; multiprocessing terminates the workers), as with
         # the DataLoader, whose __del__ does nothing once Python is exiting.
@@ -598,11 +617,20 @@ class _Epoch:
     def __next__(self):
         if self.closed:
             raise StopIteration
-        if self.sync:
-            item = self._next_here()
-        else:
-            item = self._next_queued()
-        return self.deliver(item)
+        if self.ahead is not None:
+            return self._next_here()
+        return self.deliver(self._next_queued())
+
+    def _next_here(self):
+        """The batch, taken and prepared here, `depth` ahead (_delivery.Ahead)."""
+        with self.lock:
+            if self.closed:
+                raise StopIteration
+            try:
+                return self.ahead.next(self.producer.source.__next__, self.ready)
+            except BaseException:
+                self.close()  # its end, its error or Ctrl-C: the epoch is over
+                raise
 
     def _next_queued(self):
         producer = self.producer
@@ -642,20 +670,30 @@ class _Epoch:
                 del exc, item
         return item
 
-    def _next_here(self):
-        """depth=0: no thread and no prefetch; the source is read, and the batch
-        prepared, in the consumer's thread when it asks."""
-        producer = self.producer
-        try:
-            batch = next(producer.source)
-        except StopIteration:
-            self.close()
-            raise
-        return producer.mode.prepare_here(batch)
-
     def close(self) -> None:
         """Stop the epoch and drop prepared batches; waits for nothing. The
         source's workers are shut down when the epoch is dropped."""
         if not self.closed:
             self.closed = True
+            if self.ahead is not None:
+                self.ahead.clear()
             self.producer.halt()
+
+
+def _end_here(producer: _Producer) -> None:
+    """A consumer-side epoch is dropped: its DataLoader iterator's workers are
+    shut down now, as its own __del__ would (unless persistent: they outlive
+    the epoch), then the blocks of workers that died before their batches
+    arrived are reclaimed. Nothing runs in a source here: nothing to wait for."""
+    source, producer.source = producer.source, None
+    if process.exiting:
+        return
+    shutdown = getattr(source, "_shutdown_workers", None)
+    if shutdown is not None and not getattr(source, "_persistent_workers", False):
+        try:
+            shutdown()
+        except Exception as exc:  # noqa: BLE001 - a half shut-down iterator: its __del__ retries
+            log.debug("fastpin.Loader: shutting down the DataLoader's workers: %r", exc)
+    source = None
+    producer.mode.forget()
+    producer.mode.end()

@@ -19,7 +19,8 @@ import sys
 from typing import Any, Optional
 
 from . import _C, _leaves
-from ._walk import _KEEP, _LEAF, _LIST, _MAP, _TUPLE, _Flat, unflatten
+from ._dtypes import _TORCH
+from ._walk import _KEEP, _LEAF, _LIST, _MAP, _TUPLE, _Flat, map_leaves, unflatten
 from ._walk import nbytes as batch_nbytes
 
 MAGIC, VERSION = 0x31525046, 1
@@ -173,8 +174,6 @@ def decode(block: _C.Block, record: bytes, objects: tuple, tree: Optional[Any],
     out = block.unpack(record, objects, ordinary, leaf)
     if tree is None:
         return out
-    from ._walk import map_leaves
-
     return map_leaves(tree, lambda x: type(x) is Slot, lambda s: out[s.index])
 
 
@@ -189,9 +188,6 @@ _SPECS_KEPT = 64
 def _tables() -> None:
     import numpy as np
 
-    from ._dtypes import _TORCH
-    from ._leaves import torch_dtype_of
-
     torch = sys.modules["torch"]
     for name, code in _TORCH.items():
         if hasattr(torch, name):
@@ -199,14 +195,14 @@ def _tables() -> None:
     for c in np.typecodes["All"]:
         dt = np.dtype(c)
         if dt.kind in "biufc":
-            _torch_of_num[dt.num] = torch_dtype_of(dt)
+            _torch_of_num[dt.num] = _leaves.torch_dtype_of(dt)
 
 
 def device_specs(record: bytes) -> list:
     """Each leaf of `record` as a device view of the block's bytes needs it:
     (offset, nbytes, torch dtype or None, index of the dtype object or None,
-    whether that object is a NumPy dtype, shape, strides or None where
-    contiguous, requires grad). Read in Python (the Loader's device mode
+    whether that object is a NumPy dtype, shape, strides (in elements),
+    requires grad). Read in Python (the Loader's device mode
     slices one device buffer, no host view made) and kept by record: batches
     of one structure send the same bytes."""
     specs = _device_specs.get(record)
@@ -227,8 +223,6 @@ def device_specs(record: bytes) -> list:
             dtype = _torch_of_code.get((code, bits, type_))
         else:
             dtype = _torch_of_num.get(type_)
-        if strides == _leaves.contiguous_strides(shape):
-            strides = None
         specs.append((offset, nbytes, dtype, None if obj == NONE else obj, kind == ARRAY,
                       shape, strides, bool(flags & REQUIRES_GRAD)))
     if len(_device_specs) >= _SPECS_KEPT:

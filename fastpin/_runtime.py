@@ -2,7 +2,7 @@
 
     settings    the configuration: fastpin.configure() over the FASTPIN_*
                 environment (capacity, threads, device, on_full, wait_timeout,
-                allow_unpinned, numa, streaming, zero_copy)
+                allow_unpinned, numa, streaming, zero_copy, install_device)
     process     what belongs to this process alone: its default arenas, the
                 shared arenas it made or attached, where it pinned the copy
                 threads, its running Loader threads, whether CUDA is usable
@@ -172,6 +172,10 @@ ENVIRONMENT = (
     _flag("streaming", "FASTPIN_STREAMING", True),
     # install() and Loader(dl) collate in the workers (zero-copy) by default.
     _flag("zero_copy", "FASTPIN_ZERO_COPY", True),
+    # install() without a device: None (batches pinned on the host), or
+    # "cuda" / "cuda:N" (batches delivered there).
+    Setting("install_device", "FASTPIN_INSTALL_DEVICE", lambda value: check_cuda_device(value),
+            str.strip, "cuda (the current GPU) or cuda:N (unset: batches stay on the host)"),
 )
 # Read where they are used: the C core's cuda.c reads FASTPIN_DISABLE_CUDA's
 # words as flag_text does; _segments the zero-copy cap.
@@ -189,6 +193,16 @@ def env_exact(name: str, words: tuple, allowed: str) -> None:
     value = os.environ.get(name, "")
     if value not in words:
         raise ValueError(f"{name}={value!r}: must be {allowed}")
+
+
+def check_cuda_device(value: Any) -> str:
+    """A CUDA device named as text: "cuda" (the current GPU) or "cuda:N"."""
+    if not isinstance(value, str):
+        raise TypeError(f"must be cuda or cuda:N, not {value!r}")
+    kind, colon, index = value.partition(":")
+    if kind != "cuda" or (colon and not index.isdigit()):
+        raise ValueError(f"must be cuda (the current GPU) or cuda:N, not {value!r}")
+    return value
 
 
 SYSFS_ROOT_ENV = "FASTPIN_SYSFS_ROOT"  # where _numa reads the topology (tests give a fake tree)
@@ -233,7 +247,7 @@ class Settings:
     __getattr__ loads them; from then on they are plain attributes."""
 
     FIELDS = ("capacity", "threads", "device", "on_full", "wait_timeout", "allow_unpinned",
-              "numa", "streaming", "zero_copy")
+              "numa", "streaming", "zero_copy", "install_device")
 
     def __getattr__(self, name: str):
         if name not in Settings.FIELDS:
@@ -286,7 +300,8 @@ class Process:
         self.pools: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self.pinned: dict = {}       # NUMA node -> the CPUs the copy pool is pinned to for it
         self.producers: "weakref.WeakSet[Any]" = weakref.WeakSet()  # Loader threads running
-        # install(): DataLoader -> (CUDA ordinal, the zero-copy Pool of its iterators).
+        # install(): DataLoader -> (CUDA ordinal, the zero-copy Pool of its
+        # iterators, their delivery Stats).
         self.installed_pools: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
         self.reset()
 

@@ -276,19 +276,6 @@ def _close_directory(creator: int, view, fds: tuple, wake: int) -> None:
         pass
 
 
-def shared_maker(index: int, node: Optional[int]) -> Callable[[int], _C.Arena]:
-    """What a Pool makes its segments with: shared arenas registered with CUDA
-    device `index` here (-1: no GPU, nothing registered), their pages on NUMA
-    node `node` (None: where the kernel puts them)."""
-    from ._arena import make_arena
-
-    def make(nbytes: int) -> _C.Arena:
-        return make_arena(nbytes, shared=True, device=max(index, 0), cuda=index >= 0,
-                          numa_node=node)
-
-    return make
-
-
 class Pool:
     """The shared arena of one Loader's workers: one or more segments (shared
     arenas, each registered with CUDA once, in this process).

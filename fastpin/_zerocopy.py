@@ -50,8 +50,20 @@ from torch.utils.data._utils.collate import (
 
 from . import _C
 from . import _leaves
-from . import _pin
 from . import _record
+from ._delivery import (  # noqa: F401 - the main process's side, here by name for tests and tools
+    DELIVER,
+    PIN_THREAD,
+    VIEWS,
+    Adopted,
+    PinnedInWorkers,
+    _adopt,
+    _adopt_installed,
+    _Shipped,
+    adopted,
+    device_views,
+    receive,
+)
 from ._segments import (  # noqa: F401 - the names the Loader, the bench and tests use here
     Pool,
     _arenas,
@@ -65,9 +77,9 @@ from ._segments import (  # noqa: F401 - the names the Loader, the bench and tes
     directory_for,
     FREE_WAIT_S,
     register,
-    shared_maker,
     why_full,
 )
+from . import _arena
 from ._leaves import Plan, Stack, stackable
 from ._runtime import process
 from ._walk import flatten, map_leaves
@@ -213,90 +225,6 @@ def _pack(tree, arena: _C.Arena, is_leaf=_placeable):
     return (block, *_record.encode(spec, leaves, plan))
 
 
-class _Shipped:
-    """What crosses the result queue: the block, and the batch's layout record
-    with the objects it names (_record)."""
-
-    __slots__ = ("token", "index", "nbytes", "layout", "block", "ship")
-
-    def __init__(self, token, index, nbytes, layout, block=None, ship=None):
-        self.token, self.index, self.nbytes = token, index, nbytes
-        self.layout = layout  # (record, objects, tree, data bytes): _record.encode
-        self.block = block    # the worker's hold, given up once pickled
-        self.ship = ship      # None: for a Loader; install(): (pool id, pin thread)
-
-    def __reduce__(self):
-        if self.block is not None:
-            # From here the main process owns the block: the worker must not
-            # free it when its Block object dies.
-            self.block.detach()
-            self.block = None
-        if self.ship is not None:
-            return (_adopt_installed, (self.token, self.index, self.nbytes, *self.layout,
-                                       *self.ship))
-        return (_adopt, (self.token, self.index, self.nbytes, *self.layout))
-
-    def pin_memory(self):
-        return self  # DataLoader's pin thread: already pinned
-
-
-class Adopted:
-    """A shipped batch in the main process, its block adopted."""
-
-    __slots__ = ("block", "record", "objects", "tree", "nbytes")
-
-    def __init__(self, block, record, objects, tree, nbytes):
-        self.block, self.record, self.objects, self.tree = block, record, objects, tree
-        self.nbytes = nbytes  # the batch's tensor and array bytes
-
-    def views(self, ordinary=None, leaf=None):
-        """The batch, its leaves views of the block (leaf(view) where given),
-        those not in the block ordinary(x), or as they are: one C call."""
-        if not _pin._torch_seen:
-            _pin._use_torch()
-        return _record.decode(self.block, self.record, self.objects, self.tree, ordinary, leaf)
-
-    def pin_memory(self):
-        return self
-
-
-class PinnedInWorkers(Adopted):
-    """install(), with DataLoader's pin thread: a batch its worker placed in the
-    shared arena, made into its host views by the pin thread, whichever pin
-    function is installed when it arrives (after uninstall() too). The leaves
-    the worker could not place (objects with their own pin_memory() among them)
-    go through that pin function, as with the stock DataLoader."""
-
-    __slots__ = ()
-
-    def pin_memory(self, device=None):
-        from torch.utils.data._utils import pin_memory as torch_pin
-
-        return self.views(torch_pin.pin_memory)
-
-
-def _adopt(token, index, nbytes, record, objects, tree, data_bytes):
-    arena = _registry().get(token)
-    if arena is None:
-        raise RuntimeError(
-            "fastpin: a batch arrived from a zero-copy worker, but its arena is not known in "
-            "this process (unpickled outside the Loader that made it?)")
-    return Adopted(arena.adopt(index, nbytes), record, objects, tree, data_bytes)
-
-
-def _adopt_installed(token, index, nbytes, record, objects, tree, data_bytes, pool, pin_thread):
-    """A batch of an iterator fastpin.install() set up, as it is unpickled in the
-    main process (the pin thread, or the iterator itself where none runs): for
-    the pin thread to make into views (PinnedInWorkers), or its views now."""
-    own = _pools.get(pool)
-    if own is not None:
-        own.collect()  # only this process can see the GPU finish with blocks
-    batch = _adopt(token, index, nbytes, record, objects, tree, data_bytes)
-    if pin_thread:
-        return PinnedInWorkers(batch.block, record, objects, tree, data_bytes)
-    return receive(batch)[0]
-
-
 def _attach(fd: int, token: int) -> _C.Arena:
     """The arena with this token in this process: its own, or attached by fd."""
     own = _registry().get(token)
@@ -328,7 +256,7 @@ class _WorkerCollate:
         self.collate_fn = collate_fn  # None: default_collate
         self.segments = segments      # [(fd, token)], newest first
         self.directory = directory    # None, or (pool id, dir fd, wake fd, creator pid)
-        self.ship = ship              # None: for a Loader; install(): (pool id, pin thread)
+        self.ship = ship              # None: for a Loader; install(): (pool id, handover)
         self.limits = limits          # (batches in flight and handed over, the pool's cap)
         self.is_leaf = _placeable if ship is None else _placeable_or_self_pinning
 
@@ -417,11 +345,23 @@ class _WorkerCollate:
         return _no_shm_room(exc, plan.data_bytes, pool)
 
 
+def shared_maker(index: int, node: Optional[int]) -> Callable[[int], _C.Arena]:
+    """What a Pool makes its segments with: shared arenas registered with CUDA
+    device `index` here (-1: no GPU, nothing registered), their pages on NUMA
+    node `node` (None: where the kernel puts them)."""
+    def make(nbytes: int) -> _C.Arena:
+        return _arena.make_arena(nbytes, shared=True, device=max(index, 0), cuda=index >= 0,
+                                 numa_node=node)
+
+    return make
+
+
 def wrap_collate(collate_fn: Optional[Callable], pool: "Pool",
                  ship: Optional[tuple] = None) -> _WorkerCollate:
     """The collate_fn for workers that write into `pool`'s segments. ship: None
-    for a Loader (it adopts what arrives); for install(), (pool id, whether the
-    DataLoader runs a pin thread): see _adopt_installed."""
+    for a Loader (it adopts what arrives); for install(), (pool id, how the
+    main process hands the batch on: VIEWS, PIN_THREAD, DELIVER): see
+    _adopt_installed."""
     if collate_fn is default_collate:
         collate_fn = None
     # What a fallback's error says of the pool (_segments.why_full); a Pool
@@ -443,45 +383,3 @@ def dataloader_view(loader, collate_fn: Callable):
     view.__dict__["collate_fn"] = collate_fn
     view.__dict__["_iterator"] = None  # persistent workers: never the loader's own
     return view
-
-
-# ---- the main process side ----------------------------------------------------
-
-def adopted(batch: Any) -> Any:
-    """The batch as the main process holds it: an Adopted for a batch a worker
-    placed in the arena (also one collated here, num_workers=0), else as it came."""
-    if isinstance(batch, _Shipped):  # collated in this process (num_workers=0)
-        if batch.block is not None:
-            batch.block.detach()  # handed over to the adopting Block below
-        batch = _adopt(batch.token, batch.index, batch.nbytes, *batch.layout)
-    return batch
-
-
-def receive(batch: Any, consumer_stream: Any = None) -> tuple:
-    """For a batch as adopted() gives it: (batch with tensors over the adopted
-    block, True), or (batch, False) for a batch that came the ordinary way (a
-    worker fell back)."""
-    if not isinstance(batch, Adopted):
-        return batch, False
-    if consumer_stream is not None:
-        batch.block.consumer_stream = consumer_stream
-    return batch.views(), True
-
-
-def device_views(batch: "Adopted", buffer: torch.Tensor) -> Optional[Any]:
-    """The batch with each leaf a view of `buffer`, a device tensor of the
-    block's bytes that one copy fills (at the leaf's offset, with its shape and
-    strides: _record.device_specs); None when a leaf has a NumPy dtype torch
-    does not know (the caller then takes the ordinary path, which says so)."""
-    objects = batch.objects
-    views = []
-    for (offset, nbytes, dtype, obj, numpy, shape, strides,
-         grad) in _record.device_specs(batch.record):
-        if obj is not None:  # a NumPy dtype object, or a torch dtype to view as
-            dtype = _leaves.torch_dtype_of(objects[obj]) if numpy else objects[obj]
-        if dtype is None:
-            return None
-        region = buffer[offset:offset + nbytes].view(dtype)
-        view = region.view(shape) if strides is None else region.as_strided(shape, strides)
-        views.append(view.requires_grad_() if grad else view)
-    return batch.views(leaf=views)

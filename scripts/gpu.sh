@@ -37,6 +37,16 @@
 #                                tests plain, under ASan+UBSan and under TSan, and
 #                                tests/test_copier_spin.py; neither: both (over the device
 #                                tool's 600 s at worst: one call each)
+#   bash scripts/gpu.sh engine       build, then (about 9 minutes): the GPU tests of the
+#                                delivery engine (install(device=...), Loader(device),
+#                                stream safety, zero-copy); main-process CPU per batch
+#                                by thread for Loader(device) and install(device) on
+#                                tokens, token windows, float32 images and recsys
+#                                (benchmarks/install_threads.py); the workload table
+#                                of tokens, images_f32 and recsys through pin_memory,
+#                                the timm prefetcher, install, install_device,
+#                                zero_copy and loader_cuda at 15 workers; the training
+#                                table of the same paths where bench_train takes them
 #   bash scripts/gpu.sh streams [OLD] build, the stream-safety tests under both fences
 #                                (cuCtxRecordEvent, FASTPIN_FENCE=sync) and
 #                                benchmarks/stream_race.py; with OLD (a directory
@@ -163,6 +173,28 @@ if [ "$what" = pin ]; then
         step timeout 420 env PYTHONPATH="$PWD" python3 benchmarks/pin_cutover.py --recommend "$@" \
             --json "$OUT/pin_cutover.json"
     fi
+fi
+if [ "$what" = engine ]; then
+    step timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_delivery_gpu.py \
+        tests/test_stream_safety.py tests/test_loader.py tests/test_loader_stats.py \
+        tests/test_install.py tests/test_zero_copy.py tests/test_zero_copy_reuse.py \
+        tests/test_zero_copy_sizing.py tests/test_record.py tests/test_shutdown.py \
+        tests/test_lifetime.py
+    step timeout 50 python3 -m pytest -q -p no:cacheprovider tests/test_delivery.py
+    step timeout 80 env PYTHONPATH="$PWD" python3 benchmarks/install_threads.py --workers 15 \
+        --batches 150 --case tokens --case token_windows --case images_f32 --case recsys \
+        --path install_device --path zero_copy_cuda --path install --json "$OUT/engine_cpu.json"
+    step timeout 110 python3 -m fastpin.bench --case tokens --case images_f32 --case recsys \
+        --path pin_memory --path prefetcher --path install --path install_device \
+        --path zero_copy --path loader_cuda --workers 15 --max-seconds 2 --no-progress \
+        --json "$OUT/engine_bench.json"
+    train_paths="--path pin_memory --path install --path zero_copy"
+    if python3 -m fastpin.bench_train --help 2>/dev/null | grep -q install_device; then
+        train_paths="$train_paths --path install_device"
+    else
+        echo "(bench_train does not take install_device: its table without it)"
+    fi
+    step timeout 110 python3 -m fastpin.bench_train --workers 15 --steps 30 $train_paths
 fi
 if [ "$what" = profile ]; then
     step env PYTHONPATH="$PWD" python3 benchmarks/profile_zero_copy.py "$@"

@@ -312,14 +312,26 @@ def _install(run: PathRun) -> Iterator:
     return installed(loader, run)
 
 
-def installed(loader: Any, run: PathRun) -> Iterator:
-    """`loader`'s batches under fastpin.install() (zero-copy), copied to the
-    target; fastpin's install state is put back as it was when it ends, so
-    other paths are unaffected."""
+@_path("install_device", "install(device)",
+       "DataLoader(pin_memory=True) after fastpin.install(device='cuda'): workers collate into "
+       "the shared pinned arena, each batch copied on a side stream ahead of the loop; its "
+       ".to() a no-op", cuda_target=True, gpu=True, uses_fastpin=True)
+def _install_device(run: PathRun) -> Iterator:
+    loader = run.factory(True)
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise PathSkipped(f"needs a torch DataLoader (the factory made a {type(loader).__name__})")
+    return installed(loader, run, device=run.target)
+
+
+def installed(loader: Any, run: PathRun, device: Any = None) -> Iterator:
+    """`loader`'s batches under fastpin.install() (zero-copy; delivered to
+    `device` if given), copied to the target; fastpin's install state is put
+    back as it was when it ends, so other paths are unaffected."""
+    from fastpin._install import _mode
     from fastpin._runtime import process, replaced
 
-    before = dict(replaced)
-    fastpin.install(zero_copy=True)
+    before, mode = dict(replaced), dict(_mode)
+    fastpin.install(zero_copy=True, device=device)
     try:
         with warnings.catch_warnings():
             # No GPU: torch turns pin_memory off, and says so; install() still
@@ -337,4 +349,4 @@ def installed(loader: Any, run: PathRun) -> Iterator:
     finally:
         fastpin.uninstall()
         if "pin_memory" in before:
-            fastpin.install(zero_copy="iterator_init" in before)
+            fastpin.install(zero_copy=mode["zero_copy"], device=mode["device"])

@@ -1,0 +1,820 @@
+"""Delivery: what happens to a batch between its source and the consumer, for
+fastpin.Loader and fastpin.install(device=...) alike.
+
+    Target          where batches go and what a step needs to get them there
+    a step          one small strategy per mode, chosen once (choose):
+      PassThrough     device="cpu": the source's batches as they are
+      PinHost         device=None: pinned in the staging arena, for the user's
+                      own .to(..., non_blocking=True)
+      CopyToDevice    device="cuda:N": every leaf copied on the copy stream; the
+                      consumer's stream waits on the copy's event
+      Adopt           zero-copy, around one of the three: a batch a worker placed
+                      in the shared arena is taken over (to the device: one copy
+                      of its whole block into one buffer, the leaves views of it,
+                      made in one C call); one that fell back goes the inner
+                      step's way
+    Ahead           the consumer-side driver: in the consumer's own next(), the
+                    batch `depth` places ahead is taken from the source and
+                    prepared (its copy issued), then the oldest prepared one is
+                    handed over (deliver). No thread, no queue.
+
+A step's prepare() receives, unpacks, copies and fences one batch; deliver()
+hands it over in the consumer's thread (the consumer's current stream waits on
+the copy's event, the batch's device memory is record_stream'ed onto it).
+Where the source has worker processes, they run ahead already: Ahead does the
+main process's small part in the consumer's next(). Where the source itself
+works in this process (num_workers=0, generators, lists), the Loader's producer
+thread (_loader) runs prepare() instead, a queue ahead. install(device=...)
+mixes Delivering into a DataLoader iterator: its _next_data() is Ahead's.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from . import _C, _leaves, _pin, _record
+from ._arena import as_core_arena, cuda_available, default_arena, policy
+from ._pin import pin_memory
+from ._runtime import cgroup_memory_limit, first, memory_room
+from ._segments import _pools, _registry, advice_for, batches_ahead, capacity_for
+from ._walk import map_leaves
+from ._walk import nbytes as batch_nbytes
+
+log = logging.getLogger("fastpin")
+
+
+class Stats:
+    """A Loader's counters, across its epochs; written by its producers and
+    consumers, under the lock."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.batches = 0
+        self.bytes = 0
+        self.pinned_bytes = 0     # of them, those pinned or staged by copy here
+        self.copy_seconds = 0.0   # producer time spent in pinning / staging
+        self.wait_seconds = 0.0   # consumer time spent waiting for a batch
+        self.fallbacks = 0
+
+    def count(self, nbytes: int, pinned: int = 0) -> None:
+        """A batch of `nbytes`, `pinned` of them copied into pinned memory here."""
+        with self.lock:
+            self.batches += 1
+            self.bytes += nbytes
+            self.pinned_bytes += pinned
+
+    def fallback(self) -> bool:
+        """Count a batch that went the ordinary way; True for the first one."""
+        with self.lock:
+            self.fallbacks += 1
+            return self.fallbacks == 1
+
+    def as_dict(self, s: Any) -> dict:
+        # s: the arena's stats. None: no arena made yet (nothing pinned, or a
+        # "cpu" Loader), and reading stats makes none.
+        if s is None:
+            s = {"high_water": 0, "capacity": 0, "numa_node": -1}
+        with self.lock:
+            d = {
+                "batches": self.batches,
+                "bytes": self.bytes,
+                # None: nothing was pinned by copy (a "cpu" Loader, batches that
+                # all came in the shared arena, or none yet).
+                "host_to_pinned_gbps": (self.pinned_bytes / self.copy_seconds / 1e9
+                                        if self.pinned_bytes and self.copy_seconds else None),
+                "consumer_wait_s": self.wait_seconds,
+                # Batches that found their arena full and went the ordinary
+                # way, in every mode: host mode pinned by torch, device mode
+                # copied from pageable memory, zero-copy a worker that found
+                # the shared arena full (in device mode such a batch that
+                # then finds the staging arena full too counts twice).
+                "fallbacks": self.fallbacks,
+                "worker_fallbacks": s.get("fallbacks", 0),
+            }
+        d["pool_high_water"] = s["high_water"]
+        d["pool_capacity"] = s["capacity"]
+        d["numa_node"] = s["numa_node"]
+        return d
+
+
+@dataclasses.dataclass
+class Target:
+    """Where one Loader's or one installed DataLoader iterator's batches go, and
+    what its steps need to get them there."""
+
+    device: Any                  # a torch.device (cuda or cpu), or None: pinned on the host
+    index: int                   # the GPU served (-1: none); its arenas, its copy stream
+    depth: int                   # batches prepared ahead of the consumer
+    stats: "Stats"
+    arena: Any = None            # the arena to pin or stage in (None: the GPU's default one)
+    pool: Any = None             # zero-copy: the shared arena's segments (_segments.Pool)
+    loader: Any = None           # the DataLoader (its num_workers, prefetch_factor): advice
+    # install(): objects with their own pin_memory() are asked to pin themselves,
+    # as DataLoader's pin thread asks them, where the batch goes to a device.
+    pin_objects: bool = False
+    who: str = "fastpin.Loader"  # what the warnings name
+
+
+def choose(target: Target, zero_copy: bool) -> Callable[[], "PassThrough"]:
+    """The step for `target` (made anew for each epoch: it holds the epoch's
+    copies in flight)."""
+    device = target.device
+    if device is None:
+        step = PinHost
+    elif device.type == "cpu":
+        step = PassThrough
+    else:
+        step = CopyToDevice
+    if not zero_copy:
+        return lambda: step(target)
+    return lambda: Adopt(target, step(target, zero_copy=True))
+
+
+class PassThrough:
+    """device="cpu": the source's batches, prefetched, as they are."""
+
+    copy_stream = None  # the stream this mode's copies go on (None: no GPU work)
+
+    def __init__(self, target: Target, zero_copy: bool = False):
+        self.stats = target.stats
+
+    def in_thread(self) -> None:
+        """The producer's thread starts (before any other CUDA call there)."""
+
+    def prepare(self, batch):
+        self.stats.count(batch_nbytes(batch))
+        return batch
+
+    def prepare_here(self, batch):
+        """prepare() in the consumer's thread (Ahead)."""
+        return self.prepare(batch)
+
+    def from_block(self, batch):
+        """A zero-copy batch, its block adopted (still in its block's terms):
+        what the queue gets, or None to take its leaves (from_adopted)."""
+        return None
+
+    def from_adopted(self, batch, nbytes: int):
+        """A zero-copy batch whose leaves lie in the adopted block, of `nbytes`
+        tensor and array bytes (as its worker counted them)."""
+        self.stats.count(nbytes)
+        return batch
+
+    def deliver(self, item):
+        """In the consumer's thread: the batch of a queued item."""
+        return item
+
+    def forget(self) -> None:
+        """The producer's thread is gone: drop what copies in flight held."""
+
+    def end(self) -> None:
+        """The producer's thread ends (not at interpreter exit)."""
+
+
+class PinHost(PassThrough):
+    """device=None: every batch pinned in the staging arena. Zero-copy: only
+    those its worker could not place in the shared arena (counted there)."""
+
+    def __init__(self, target: Target, zero_copy: bool = False):
+        import torch
+
+        super().__init__(target)
+        self.staging = _Staging(target, zero_copy)
+        self.counted = zero_copy
+        # The stream that will read the pinned batches, taken in the consumer's
+        # thread: their blocks are reused only after it is done.
+        self.consumer_stream = (torch.cuda.current_stream()
+                                if cuda_available() and torch.cuda.is_available() else None)
+
+    def prepare(self, batch):
+        out = self.pin(batch)
+        nbytes = batch_nbytes(out)
+        self.stats.count(nbytes, pinned=nbytes)
+        return out
+
+    def pin(self, batch):
+        """pin_memory into the staging arena. A batch it pins the ordinary way
+        (the arena full, or the batch over its cap) is a fallback, counted
+        here unless its worker's fallback was (zero-copy)."""
+        if _no_memory_for(batch):
+            self.stats.fallback()
+            return batch  # unpinned: a copy would take what the cgroup does not have
+        arena = self.staging.arena()
+        stream = self.consumer_stream
+        if self.counted or policy()["on_full"] != "fallback":
+            return pin_memory(batch, arena=arena, stream=stream)
+        try:
+            return pin_memory(batch, arena=arena, stream=stream, on_full="raise")
+        except _C.ArenaFullError:
+            self.stats.fallback()
+            return pin_memory(batch, arena=arena, stream=stream, on_full="fallback")
+
+
+def _no_memory_for(batch) -> bool:
+    """Whether a copy of `batch` would take more than its cgroup's memory limit
+    leaves (_runtime.memory_room; never where no limit binds): the batch then
+    goes on unpinned, as it came, rather than have the kernel kill the process
+    without a word. Said once."""
+    room = memory_room()
+    if room is None:
+        return False
+    nbytes = batch_nbytes(batch)
+    if nbytes <= room:
+        return False
+    if first("copy: cgroup"):
+        log.warning("fastpin.Loader: a copy of this %d-byte batch would take more than the "
+                    "%d bytes its cgroup's memory limit of %d bytes leaves (after an eighth kept "
+                    "free), and the kernel would kill the process: such batches are handed over "
+                    "unpinned, as the source made them (counted in stats()['fallbacks']). Give "
+                    "the job more memory, or hold fewer batches at once (the DataLoader's "
+                    "num_workers x prefetch_factor, the Loader's depth)",
+                    nbytes, room, cgroup_memory_limit())
+    return True
+
+
+class _Staging:
+    """The arena a mode pins or stages batches in by copy. Zero-copy: the GPU's
+    default arena, made on first use, so that the batches a worker could not
+    place take no room the workers need (which would make more fall back);
+    else the Loader's arena (its GPU's default arena where it has none of its
+    own, made on first use too)."""
+
+    def __init__(self, target: Target, zero_copy: bool):
+        self.index = target.index
+        self.copy_arena = None if zero_copy else target.arena
+
+    def arena(self) -> _C.Arena:
+        if self.copy_arena is None:
+            self.copy_arena = default_arena(self.index if self.index >= 0 else None)
+        return self.copy_arena
+
+
+class CopyToDevice(PassThrough):
+    """device="cuda:N": each batch's leaves copied to the device on the copy
+    stream (pageable ones staged through arena blocks in chunks, pinned ones
+    directly: see _C.h2d), one event recorded; the consumer's stream waits on
+    it and the batch's tensors are record_stream'ed onto it."""
+
+    def __init__(self, target: Target, zero_copy: bool = False):
+        import torch
+
+        super().__init__(target)
+        self.torch = torch
+        self.device = target.device
+        self.depth = target.depth
+        self.pin_objects = target.pin_objects
+        self.staging = _Staging(target, zero_copy)
+        # Where pinned sources lie (they need no staging): the Loader's arena,
+        # or the shared arena's newest segment.
+        self.pool = target.pool if zero_copy else None
+        self.pinned = self.staging.copy_arena
+        self.copy_stream = torch.cuda.Stream(self.device)
+        # Sources that copies in flight may still read, with the batch's event.
+        self.in_flight: list = []
+
+    def in_thread(self) -> None:
+        # A new thread's current device is 0, which this Loader must not touch.
+        # The copy stream is this thread's current stream from here on, so
+        # device memory made here is allocated under it (the consumer's stream
+        # is added by record_stream when a batch is handed over).
+        self.torch.cuda.set_device(self.device)
+        self.torch.cuda.set_stream(self.copy_stream)
+
+    @contextlib.contextmanager
+    def here(self):
+        """The copy stream made current in the consumer's thread (Ahead)."""
+        torch = self.torch
+        with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
+            yield
+
+    def prepare_here(self, batch):
+        with self.here():
+            return self.prepare(batch)
+
+    def deliver(self, item):
+        """The consumer's current stream waits on the batch's copy, and its
+        device memory is record_stream'ed onto that stream (freed, it is reused
+        only once the stream is past its use). A copy still running (issued
+        `depth` batches ago: the bus is behind, and the consumer would wait for
+        it anyway) is also waited for here, so that the batch is whole for
+        every stream, as a pinned host batch is: code that reads it on a side
+        stream of its own without waiting on the current one (timm's
+        PrefetchLoader normalises there) reads no byte early."""
+        out, event, made = item
+        stream = self.torch.cuda.current_stream(self.device)
+        stream.wait_event(event)
+        if not event.query():
+            event.synchronize()  # a blocking event: the thread sleeps
+        for t in made:
+            t.record_stream(stream)
+        return out
+
+    def forget(self) -> None:
+        self.in_flight.clear()
+
+    def prepare(self, batch):
+        torch, device = self.torch, self.device
+        copies = []   # (dst address, src address, nbytes, src is pinned)
+        keep = []     # (destination, the source it reads)
+        made = []     # every device tensor made here, for record_stream later
+
+        def leaf(given):
+            if not isinstance(given, (torch.Tensor, np.ndarray)):
+                return given.pin_memory()  # install(): it pins itself (is_leaf)
+            x = _leaves.device_source(given)  # the leaf's type decides (one registry)
+            if x is None:
+                return given
+            if x.device == device:
+                return x  # there already
+            if x.device.type != "cpu":
+                moved = x.to(device, non_blocking=True)
+                made.append(moved)
+                return moved
+            dst = torch.empty(x.shape, dtype=x.dtype, device=device)
+            made.append(dst)
+            nbytes = x.numel() * x.element_size()
+            if nbytes:
+                copies.append((dst.data_ptr(), x.data_ptr(), nbytes, x.is_pinned()))
+                keep.append((dst, x))
+            return dst
+
+        out = map_leaves(batch, self.is_leaf, leaf)
+        return out, self.issue(copies, keep), made
+
+    def is_leaf(self, x) -> bool:
+        """What prepare() takes as a leaf: tensors and arrays; for install(),
+        objects with their own pin_memory() too."""
+        return isinstance(x, (self.torch.Tensor, np.ndarray)) or (
+            self.pin_objects and _leaves.is_leaf(x))
+
+    def ordinary(self, made: list):
+        """For a zero-copy batch's leaves that are not in its block (Block.unpack's
+        `ordinary`): tensors and arrays copied to the device on the copy stream
+        (each device tensor added to `made`), objects with their own pin_memory()
+        asked to pin themselves (install()), the rest as they are."""
+        torch, device = self.torch, self.device
+
+        def move(x):
+            if not isinstance(x, (torch.Tensor, np.ndarray)):
+                return x.pin_memory() if self.pin_objects and _leaves.is_leaf(x) else x
+            src = _leaves.device_source(x)
+            if src is None or src.device == device:
+                return x if src is None else src
+            moved = src.to(device, non_blocking=True)
+            made.append(moved)
+            return moved
+
+        return move
+
+    def from_adopted(self, batch, nbytes: int):
+        return self.prepare(batch)
+
+    def from_block(self, batch):
+        """One copy of the whole block into one device buffer, its leaves views
+        of that buffer (no per-leaf work but the view). None: a leaf this path
+        cannot take; use the ordinary one."""
+        block = batch.block
+        # Whole 16 bytes: every dtype can view all of it (device_views).
+        buffer = self.torch.empty(-(-block.nbytes // 16) * 16, dtype=self.torch.uint8,
+                                  device=self.device)
+        made = [buffer]  # the views share its memory: it alone is record_stream'ed
+        tree = device_views(batch, buffer, self.ordinary(made))
+        if tree is None:
+            return None
+        # The block goes back to the arena once the copy stream is past this
+        # copy: its event is recorded there when the Block dies, at return.
+        block.consumer_stream = self.copy_stream.cuda_stream
+        copies = [(buffer.data_ptr(), block.ptr, block.nbytes, True)] if block.nbytes else []
+        return tree, self.issue(copies, []), made
+
+    def issue(self, copies: list, keep: list):
+        """Queue the copies on the copy stream (this thread's current stream) and
+        return the event the consumer waits on. `keep`: (destination, source)
+        pairs to copy from pageable memory should the arena have no room."""
+        try:
+            # Pinned sources alone need no staging: no arena to make for them.
+            pinned = self.pinned if self.pool is None else self.pool.newest()
+            staging = (pinned if pinned is not None and all(c[3] for c in copies)
+                       else self.staging.arena())
+            _C.h2d(as_core_arena(staging), self.copy_stream.cuda_stream, copies)
+        except _C.ArenaFullError:
+            # Live pinned batches fill the arena: copy from pageable memory,
+            # slower, never stuck. Copies already queued stay valid.
+            for dst, src in keep:
+                dst.copy_(src)
+            self.stats.fallback()
+        # Blocking: a wait on it below sleeps instead of spinning a core.
+        event = self.torch.cuda.Event(blocking=True)
+        event.record(self.copy_stream)
+        in_flight = self.in_flight
+        while in_flight and in_flight[0][0].query():
+            in_flight.pop(0)
+        in_flight.append((event, keep))
+        if len(in_flight) > self.depth + 1:
+            # The bus is behind: queue no further ahead of it. Every copy queued
+            # keeps its source block (and its batch's device memory) held.
+            in_flight.pop(0)[0].synchronize()
+        # Pinned sources (zero-copy's block) are copied to the device, not pinned here.
+        self.stats.count(sum(c[2] for c in copies), pinned=sum(c[2] for c in copies if not c[3]))
+        return event
+
+
+class Adopt:
+    """zero_copy=True: the DataLoader's workers collated into the shared arena.
+    A batch they placed there is taken over (no copy on the host); one that
+    fell back (the arena was full) is counted, warned about once, and goes the
+    way of the `inner` mode."""
+
+    def __init__(self, target: Target, inner: PassThrough):
+        self.inner = inner
+        self.stats = target.stats
+        self.pool = target.pool
+        self.loader = target.loader  # the DataLoader (not its iterator): for sizing advice
+        self.depth = target.depth
+        self.who = target.who
+        self.copy_stream = inner.copy_stream
+        # Read only by the copy stream where there is one; on the host the user
+        # gets the block, so its fence keeps covering every stream (the default).
+        self.consumer = getattr(self.copy_stream, "cuda_stream", None)
+        self.in_thread, self.deliver, self.forget = inner.in_thread, inner.deliver, inner.forget
+
+    def prepare(self, batch):
+        self.pool.collect()  # only this process can see the GPU finish with blocks
+        batch = adopted(batch)
+        inner = self.inner
+        if isinstance(batch, Adopted):
+            out = inner.from_block(batch)
+            if out is not None:
+                return out
+        nbytes = batch.nbytes if isinstance(batch, Adopted) else 0
+        batch, placed = receive(batch, self.consumer)
+        if placed:
+            return inner.from_adopted(batch, nbytes)
+        if self.stats.fallback():
+            self.warn_full(batch)
+        return inner.prepare(batch)
+
+    def prepare_here(self, batch):
+        if self.copy_stream is None:
+            return self.prepare(batch)
+        with self.inner.here():
+            return self.prepare(batch)
+
+    def end(self) -> None:
+        """The epoch's thread ends: workers that died before their batches
+        arrived (killed, or shut down with results still queued) leave blocks
+        behind."""
+        self.pool.reclaim()
+
+    def warn_full(self, batch) -> None:
+        """Once per Loader: a worker found the shared arena full; say what fits."""
+        nbytes = batch_nbytes(batch)
+        ahead = batches_ahead(self.loader)
+        need = capacity_for(self.loader, nbytes, self.depth)
+        pool = self.pool
+        if advice_for(pool):
+            advice = advice_for(pool)
+        elif pool.fixed:
+            advice = f"for this DataLoader give it capacity={need} ({need / 1e6:.0f} MB) or more."
+        elif pool.capacity < need:
+            advice = (f"it sizes itself, up to max_capacity={pool.cap} bytes (or "
+                      f"FASTPIN_ZERO_COPY_MAX_BYTES); for this DataLoader raise that to {need} "
+                      f"({need / 1e6:.0f} MB) or more.")
+        else:
+            advice = ("it sized itself for these batches: the batches you keep alive hold the "
+                      f"rest; keep fewer, or give capacity={need + pool.capacity} or more.")
+        log.warning(
+            "%s, zero-copy: a DataLoader worker found the shared arena full "
+            "(%.0f MB) and collated a batch of %.1f MB the ordinary way; such batches are "
+            "pinned by copy in the main process, which is slower. The arena holds the "
+            "workers' batches in flight (num_workers x prefetch_factor = %d), the Loader's "
+            "depth and the batches you keep: %s", self.who, pool.capacity / 1e6, nbytes / 1e6,
+            ahead, advice)
+
+# ---- receiving a zero-copy batch -------------------------------------------------
+#
+# A worker's _zerocopy._WorkerCollate ships a _Shipped; unpickled here, it
+# adopts its block (the main process owns it from then on) and the batch is
+# made from its layout record in one C call (_record.decode).
+
+class _Shipped:
+    """What crosses the result queue: the block, and the batch's layout record
+    with the objects it names (_record)."""
+
+    __slots__ = ("token", "index", "nbytes", "layout", "block", "ship")
+
+    def __init__(self, token, index, nbytes, layout, block=None, ship=None):
+        self.token, self.index, self.nbytes = token, index, nbytes
+        self.layout = layout  # (record, objects, tree, data bytes): _record.encode
+        self.block = block    # the worker's hold, given up once pickled
+        self.ship = ship      # None: for a Loader; install(): (pool id, handover)
+
+    def __reduce__(self):
+        if self.block is not None:
+            # From here the main process owns the block: the worker must not
+            # free it when its Block object dies.
+            self.block.detach()
+            self.block = None
+        if self.ship is not None:
+            return (_adopt_installed, (self.token, self.index, self.nbytes, *self.layout,
+                                       *self.ship))
+        return (_adopt, (self.token, self.index, self.nbytes, *self.layout))
+
+    def pin_memory(self):
+        return self  # DataLoader's pin thread: already pinned
+
+
+class Adopted:
+    """A shipped batch in the main process, its block adopted."""
+
+    __slots__ = ("block", "record", "objects", "tree", "nbytes")
+
+    def __init__(self, block, record, objects, tree, nbytes):
+        self.block, self.record, self.objects, self.tree = block, record, objects, tree
+        self.nbytes = nbytes  # the batch's tensor and array bytes
+
+    def views(self, ordinary=None, leaf=None):
+        """The batch, its leaves views of the block (leaf(view) where given),
+        those not in the block ordinary(x), or as they are: one C call."""
+        if not _pin._torch_seen:
+            _pin._use_torch()
+        return _record.decode(self.block, self.record, self.objects, self.tree, ordinary, leaf)
+
+    def pin_memory(self):
+        return self
+
+
+class PinnedInWorkers(Adopted):
+    """install(), with DataLoader's pin thread: a batch its worker placed in the
+    shared arena, made into its host views by the pin thread, whichever pin
+    function is installed when it arrives (after uninstall() too). The leaves
+    the worker could not place (objects with their own pin_memory() among them)
+    go through that pin function, as with the stock DataLoader."""
+
+    __slots__ = ()
+
+    def pin_memory(self, device=None):
+        from torch.utils.data._utils import pin_memory as torch_pin
+
+        return self.views(torch_pin.pin_memory)
+
+
+def _adopt(token, index, nbytes, record, objects, tree, data_bytes):
+    arena = _registry().get(token)
+    if arena is None:
+        raise RuntimeError(
+            "fastpin: a batch arrived from a zero-copy worker, but its arena is not known in "
+            "this process (unpickled outside the Loader that made it?)")
+    return Adopted(arena.adopt(index, nbytes), record, objects, tree, data_bytes)
+
+
+# install(): how the main process hands an adopted batch on (_Shipped.ship[1]).
+VIEWS, PIN_THREAD, DELIVER = 0, 1, 2
+
+
+def _adopt_installed(token, index, nbytes, record, objects, tree, data_bytes, pool, handover):
+    """A batch of an iterator fastpin.install() set up, as it is unpickled in the
+    main process (the pin thread, or the iterator itself where none runs): for
+    the pin thread to make into views (PIN_THREAD: a PinnedInWorkers), its views
+    now (VIEWS), or as it is, for install(device=...)'s delivery (DELIVER: the
+    Adopted, which it copies to the device as one block)."""
+    batch = _adopt(token, index, nbytes, record, objects, tree, data_bytes)
+    if handover == DELIVER:
+        return batch  # its step looks at the GPU's fences itself
+    own = _pools.get(pool)
+    if own is not None:
+        own.collect()  # only this process can see the GPU finish with blocks
+    if handover == PIN_THREAD:
+        return PinnedInWorkers(batch.block, record, objects, tree, data_bytes)
+    return receive(batch)[0]
+
+
+def adopted(batch: Any) -> Any:
+    """The batch as the main process holds it: an Adopted for a batch a worker
+    placed in the arena (also one collated here, num_workers=0), else as it came."""
+    if isinstance(batch, _Shipped):  # collated in this process (num_workers=0)
+        if batch.block is not None:
+            batch.block.detach()  # handed over to the adopting Block below
+        batch = _adopt(batch.token, batch.index, batch.nbytes, *batch.layout)
+    return batch
+
+
+def receive(batch: Any, consumer_stream: Any = None) -> tuple:
+    """For a batch as adopted() gives it: (batch with tensors over the adopted
+    block, True), or (batch, False) for a batch that came the ordinary way (a
+    worker fell back)."""
+    if not isinstance(batch, Adopted):
+        return batch, False
+    if consumer_stream is not None:
+        batch.block.consumer_stream = consumer_stream
+    return batch.views(), True
+
+
+def device_views(batch: "Adopted", buffer, ordinary=None) -> Optional[Any]:
+    """The batch with each leaf a view of `buffer`, a device tensor of the
+    block's bytes (its length a multiple of 16) that one copy fills (at the leaf's offset, with its shape and
+    strides: _record.device_specs), those not in the block ordinary(x) (or as
+    they are); None when a leaf has a NumPy dtype torch does not know (the
+    caller then takes the ordinary path, which says so)."""
+    objects = batch.objects
+    typed: dict = {}  # dtype -> the whole buffer viewed as it: one view a leaf, not three
+    views = []
+    for (offset, nbytes, dtype, obj, numpy, shape, strides,
+         grad) in _record.device_specs(batch.record):
+        if obj is not None:  # a NumPy dtype object, or a torch dtype to view as
+            dtype = _leaves.torch_dtype_of(objects[obj]) if numpy else objects[obj]
+        if dtype is None:
+            return None
+        whole = typed.get(dtype)
+        if whole is None:
+            whole = typed[dtype] = buffer.view(dtype)
+        step = whole.element_size()
+        if offset % step:  # never for fastpin's blocks (leaves are granule-aligned)
+            view = buffer[offset:offset + nbytes].view(dtype).as_strided(shape, strides)
+        else:
+            view = whole.as_strided(shape, strides, offset // step)
+        views.append(view.requires_grad_() if grad else view)
+    return batch.views(ordinary, leaf=views)
+
+
+# ---- the consumer-side driver ------------------------------------------------------
+
+class Ahead:
+    """Delivery in the consumer's own next(), `depth` batches ahead: take the
+    source's next batches until `depth` are prepared beyond the one to hand
+    over (prepare: received, unpacked, its copy issued on the copy stream),
+    then hand over the oldest (deliver). With worker processes behind the
+    source this is all the main process does per batch: no thread, no queue.
+
+    The source's end and its errors come in order: the batches prepared before
+    them are handed over first; then StopIteration, or the error (once).
+    After either the driver starts afresh: a DataLoader iterator whose worker
+    raised goes on with its next batch, persistent workers with their next
+    epoch. Ctrl-C (any BaseException but StopIteration) is raised at once,
+    the prepared batches kept. Not thread-safe: one consumer at a time."""
+
+    __slots__ = ("step", "depth", "stats", "pending", "error", "ended", "pulling")
+
+    def __init__(self, step, depth: int, stats: Optional["Stats"] = None):
+        self.step = step
+        self.depth = depth
+        self.stats = stats  # where the time spent waiting and preparing is added
+        self.pending: collections.deque = collections.deque()  # prepared items, oldest first
+        self.error: Optional[BaseException] = None  # the source's, raised after `pending`
+        self.ended = False     # the source said StopIteration (or raised) this round
+        self.pulling = False   # inside pull(): the source may shut itself down there
+
+    def next(self, pull: Callable[[], Any], ready: Optional[Callable[[], bool]] = None):
+        """The next batch; pull() gives the source's next one (StopIteration at
+        its end). ready(), where given, says whether pull() would return
+        without waiting: batches beyond the one to hand over are taken only
+        while it says so, so that a slow or hung worker never holds back a
+        batch that has arrived (a DataLoader's: batch_ready)."""
+        if not self.ended:
+            self.fill(pull, ready)
+        if self.pending:
+            return self.step.deliver(self.pending.popleft())
+        return self.finish()
+
+    def fill(self, pull: Callable[[], Any], ready: Optional[Callable[[], bool]]) -> None:
+        pending, prepare = self.pending, self.step.prepare_here
+        clock = time.perf_counter
+        waited = prepared = 0.0
+        try:
+            while len(pending) <= self.depth:
+                if pending and ready is not None and not ready():
+                    return
+                t0 = clock()
+                self.pulling = True
+                try:
+                    batch = pull()
+                except StopIteration:
+                    self.ended = True
+                    return
+                except Exception as exc:  # noqa: BLE001 - raised in its turn (finish)
+                    self.ended, self.error = True, exc
+                    return
+                finally:
+                    self.pulling = False
+                    t1 = clock()
+                    waited += t1 - t0
+                try:
+                    pending.append(prepare(batch))
+                except Exception as exc:  # noqa: BLE001 - raised in its turn (finish)
+                    self.ended, self.error = True, exc
+                    return
+                finally:
+                    batch = None  # a zero-copy batch's block is free to go once copied
+                    prepared += clock() - t1
+        finally:
+            stats = self.stats
+            if stats is not None:
+                with stats.lock:
+                    stats.wait_seconds += waited
+                    stats.copy_seconds += prepared
+
+    def finish(self):
+        """Nothing prepared is left: the source's end, or its error, once."""
+        error, self.error, self.ended = self.error, None, False
+        if error is None:
+            raise StopIteration
+        try:
+            raise error
+        finally:
+            # No cycle through this frame: the error's traceback holds the
+            # source's frames, freed with the error.
+            del error
+
+    def clear(self) -> None:
+        """Drop what is prepared (a new epoch, the source shut down): the
+        batches' device memory goes back as they die. Safe from any thread."""
+        self.pending.clear()
+        self.error, self.ended = None, False
+
+
+class Delivering:
+    """Mixed into a DataLoader iterator by install(device=...) (one subclass per
+    iterator class, made once: delivering()): its batches come from an Ahead
+    (the iterator's `_fastpin_ahead`) over the iterator's own _next_data. The
+    iterator keeps its workers, its order, its ends; what is prepared ahead is
+    dropped when it is reset for a new epoch (persistent workers), shut down or
+    dropped. No reference cycle: dropping the iterator shuts its workers down
+    at once, as the stock one does."""
+
+    _fastpin_ahead: Ahead
+
+    def _next_data(self):
+        return self._fastpin_ahead.next(super()._next_data, self._fastpin_ready)
+
+    def _fastpin_ready(self) -> bool:
+        return batch_ready(self)
+
+    def _reset(self, *args, **kwargs):
+        ahead = self.__dict__.get("_fastpin_ahead")
+        if ahead is not None:
+            ahead.clear()  # the previous epoch's batches, prepared ahead
+        super()._reset(*args, **kwargs)
+
+    def _shutdown_workers(self):
+        ahead = self.__dict__.get("_fastpin_ahead")
+        # The source shuts itself down at its end, inside pull(): what is
+        # prepared is still to be handed over then.
+        if ahead is not None and not ahead.pulling:
+            ahead.clear()
+        super()._shutdown_workers()
+
+
+def batch_ready(it) -> bool:
+    """Whether DataLoader iterator `it` (with workers) has its next batch here:
+    arrived out of order and kept, or something in its queue (with in_order,
+    that may be a later batch: next() then waits for the one it needs, as it
+    would have)."""
+    info = it._task_info.get(it._rcvd_idx)
+    if info is not None and len(info) == 2:
+        return True
+    try:
+        return not it._data_queue.empty()
+    except (OSError, ValueError):  # closed: next() says why
+        return True
+
+
+def ready_of(source) -> Optional[Callable[[], bool]]:
+    """batch_ready for `source`, a DataLoader iterator with workers; None for
+    any other source (Ahead then takes its batches ahead as they come)."""
+    if all(hasattr(source, name) for name in ("_task_info", "_rcvd_idx", "_data_queue")):
+        return lambda: batch_ready(source)
+    return None
+
+
+_delivering: dict = {}   # iterator class -> its Delivering subclass
+_delivering_lock = threading.Lock()
+
+
+def delivering(cls: type) -> type:
+    """`cls` (a DataLoader iterator class) with Delivering mixed in: same name,
+    isinstance of `cls`, made once."""
+    sub = _delivering.get(cls)
+    if sub is None:
+        with _delivering_lock:
+            sub = _delivering.get(cls)
+            if sub is None:
+                sub = type(cls.__name__, (Delivering, cls),
+                           {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+                _delivering[cls] = sub
+    return sub
+
+
+def deliver_from(it, step, depth: int) -> None:
+    """Make DataLoader iterator `it` (in its __init__, before it starts a pin
+    thread) hand over its batches through `step`, `depth` ahead, in the
+    consumer's next()."""
+    it._pin_memory = False  # no pin thread: the batch goes from the worker to `step`
+    it._fastpin_ahead = Ahead(step, depth, step.stats)
+    it.__class__ = delivering(type(it))
