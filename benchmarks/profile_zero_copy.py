@@ -29,7 +29,7 @@ from torch.utils.data import _utils
 from torch.utils.data import dataloader as dl_mod
 
 import fastpin
-from fastpin import _delivery, _loader, _zerocopy, bench
+from fastpin import _adoption, _delivery, _loader, _zerocopy, bench
 from fastpin.bench import procfs
 
 _MAX_WORKERS = 64
@@ -78,14 +78,14 @@ def _install_timers():
     timers = TIMERS
     it_cls = dl_mod._MultiProcessingDataLoaderIter
     it_cls._next_data = timers.wrap("DataLoader next", it_cls._next_data)
-    _delivery._adopt = timers.wrap("adopt (unpickle)", _delivery._adopt)
-    _delivery.receive = timers.wrap("receive (from_dlpack)", _delivery.receive)
+    _adoption._adopt = timers.wrap("adopt (unpickle)", _adoption._adopt)
+    _adoption.receive = timers.wrap("receive (from_dlpack)", _adoption.receive)
     _delivery.Adopt.prepare = timers.wrap("prepare (all)", _delivery.Adopt.prepare)
     _delivery.CopyToDevice.prepare = timers.wrap("to_device", _delivery.CopyToDevice.prepare)
     _delivery.CopyToDevice.issue = timers.wrap("issue (h2d, event)", _delivery.CopyToDevice.issue)
     _delivery.CopyToDevice.from_block = timers.wrap("block_to_device",
                                                  _delivery.CopyToDevice.from_block)
-    _delivery.adopted = timers.wrap("adopted", _delivery.adopted)
+    _adoption.adopted = timers.wrap("adopted", _adoption.adopted)
     _loader._Epoch.__next__ = timers.wrap("consumer next", _loader._Epoch.__next__)
 
     fetch_cls = _utils.fetch._MapDatasetFetcher

@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data import dataloader as dl_mod
 
 import fastpin
-from fastpin import _delivery, _loader, _zerocopy
+from fastpin import _adoption, _loader, _zerocopy
 from fastpin.bench import procfs
 
 
@@ -215,7 +215,7 @@ def _install() -> None:
     adoption (what unpickling a worker's descriptor calls) and the Loader's."""
     it = dl_mod._MultiProcessingDataLoaderIter
     it.__next__ = TIMED.wrap("dataloader", it.__next__)
-    _delivery._adopt = TIMED.wrap("adopt", _delivery._adopt)
+    _adoption._adopt = TIMED.wrap("adopt", _adoption._adopt)
     _loader._Epoch.__next__ = TIMED.wrap("loader", _loader._Epoch.__next__)
 
 

@@ -9,41 +9,36 @@ fastpin.Loader and fastpin.install(device=...) alike.
       CopyToDevice    device="cuda:N": every leaf copied on the copy stream; the
                       consumer's stream waits on the copy's event
       Adopt           zero-copy, around one of the three: a batch a worker placed
-                      in the shared arena is taken over (to the device: one copy
-                      of its whole block into one buffer, the leaves views of it,
-                      made in one C call); one that fell back goes the inner
-                      step's way
-    Ahead           the consumer-side driver: in the consumer's own next(), the
-                    batch `depth` places ahead is taken from the source and
-                    prepared (its copy issued), then the oldest prepared one is
-                    handed over (deliver). No thread, no queue.
+                      in the shared arena is taken over (_adoption; to the
+                      device: one copy of its whole block into one buffer, the
+                      leaves views of it, made in one C call); one that fell
+                      back goes the inner step's way
 
 A step's prepare() receives, unpacks, copies and fences one batch; deliver()
 hands it over in the consumer's thread (the consumer's current stream waits on
 the copy's event, the batch's device memory is record_stream'ed onto it).
-Where the source has worker processes, they run ahead already: Ahead does the
-main process's small part in the consumer's next(). Where the source itself
-works in this process (num_workers=0, generators, lists), the Loader's producer
-thread (_loader) runs prepare() instead, a queue ahead. install(device=...)
-mixes Delivering into a DataLoader iterator: its _next_data() is Ahead's.
+Two drivers call them. Where the source has worker processes, they run ahead
+already: _ahead.Ahead does the main process's small part in the consumer's
+next() (install(device=...) mixes _ahead.Delivering into a DataLoader iterator:
+its _next_data() is Ahead's). Where the source itself works in this process
+(num_workers=0, generators, lists), the Loader's producer thread (_producer)
+runs prepare() instead, a queue ahead.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
 import threading
-import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 
-from . import _C, _leaves, _pin, _record
+from . import _C, _adoption, _leaves
 from ._arena import as_core_arena, cuda_available, default_arena, policy
 from ._pin import pin_memory
 from ._runtime import cgroup_memory_limit, first, memory_room
-from ._segments import _pools, _registry, advice_for, batches_ahead, capacity_for
+from ._segments import advice_for, batches_ahead, capacity_for
 from ._walk import map_leaves
 from ._walk import nbytes as batch_nbytes
 
@@ -385,7 +380,7 @@ class CopyToDevice(PassThrough):
         buffer = self.torch.empty(-(-block.nbytes // 16) * 16, dtype=self.torch.uint8,
                                   device=self.device)
         made = [buffer]  # the views share its memory: it alone is record_stream'ed
-        tree = device_views(batch, buffer, self.ordinary(made))
+        tree = _adoption.device_views(batch, buffer, self.ordinary(made))
         if tree is None:
             return None
         # The block goes back to the arena once the copy stream is past this
@@ -447,14 +442,14 @@ class Adopt:
 
     def prepare(self, batch):
         self.pool.collect()  # only this process can see the GPU finish with blocks
-        batch = adopted(batch)
+        batch = _adoption.adopted(batch)
         inner = self.inner
-        if isinstance(batch, Adopted):
+        if isinstance(batch, _adoption.Adopted):
             out = inner.from_block(batch)
             if out is not None:
                 return out
-        nbytes = batch.nbytes if isinstance(batch, Adopted) else 0
-        batch, placed = receive(batch, self.consumer)
+        nbytes = batch.nbytes if isinstance(batch, _adoption.Adopted) else 0
+        batch, placed = _adoption.receive(batch, self.consumer)
         if placed:
             return inner.from_adopted(batch, nbytes)
         if self.stats.fallback():
@@ -497,324 +492,3 @@ class Adopt:
             "workers' batches in flight (num_workers x prefetch_factor = %d), the Loader's "
             "depth and the batches you keep: %s", self.who, pool.capacity / 1e6, nbytes / 1e6,
             ahead, advice)
-
-# ---- receiving a zero-copy batch -------------------------------------------------
-#
-# A worker's _zerocopy._WorkerCollate ships a _Shipped; unpickled here, it
-# adopts its block (the main process owns it from then on) and the batch is
-# made from its layout record in one C call (_record.decode).
-
-class _Shipped:
-    """What crosses the result queue: the block, and the batch's layout record
-    with the objects it names (_record)."""
-
-    __slots__ = ("token", "index", "nbytes", "layout", "block", "ship")
-
-    def __init__(self, token, index, nbytes, layout, block=None, ship=None):
-        self.token, self.index, self.nbytes = token, index, nbytes
-        self.layout = layout  # (record, objects, tree, data bytes): _record.encode
-        self.block = block    # the worker's hold, given up once pickled
-        self.ship = ship      # None: for a Loader; install(): (pool id, handover)
-
-    def __reduce__(self):
-        if self.block is not None:
-            # From here the main process owns the block: the worker must not
-            # free it when its Block object dies.
-            self.block.detach()
-            self.block = None
-        if self.ship is not None:
-            return (_adopt_installed, (self.token, self.index, self.nbytes, *self.layout,
-                                       *self.ship))
-        return (_adopt, (self.token, self.index, self.nbytes, *self.layout))
-
-    def pin_memory(self):
-        return self  # DataLoader's pin thread: already pinned
-
-
-class Adopted:
-    """A shipped batch in the main process, its block adopted."""
-
-    __slots__ = ("block", "record", "objects", "tree", "nbytes")
-
-    def __init__(self, block, record, objects, tree, nbytes):
-        self.block, self.record, self.objects, self.tree = block, record, objects, tree
-        self.nbytes = nbytes  # the batch's tensor and array bytes
-
-    def views(self, ordinary=None, leaf=None):
-        """The batch, its leaves views of the block (leaf(view) where given),
-        those not in the block ordinary(x), or as they are: one C call."""
-        if not _pin._torch_seen:
-            _pin._use_torch()
-        return _record.decode(self.block, self.record, self.objects, self.tree, ordinary, leaf)
-
-    def pin_memory(self):
-        return self
-
-
-class PinnedInWorkers(Adopted):
-    """install(), with DataLoader's pin thread: a batch its worker placed in the
-    shared arena, made into its host views by the pin thread, whichever pin
-    function is installed when it arrives (after uninstall() too). The leaves
-    the worker could not place (objects with their own pin_memory() among them)
-    go through that pin function, as with the stock DataLoader."""
-
-    __slots__ = ()
-
-    def pin_memory(self, device=None):
-        from torch.utils.data._utils import pin_memory as torch_pin
-
-        return self.views(torch_pin.pin_memory)
-
-
-def _adopt(token, index, nbytes, record, objects, tree, data_bytes):
-    arena = _registry().get(token)
-    if arena is None:
-        raise RuntimeError(
-            "fastpin: a batch arrived from a zero-copy worker, but its arena is not known in "
-            "this process (unpickled outside the Loader that made it?)")
-    return Adopted(arena.adopt(index, nbytes), record, objects, tree, data_bytes)
-
-
-# install(): how the main process hands an adopted batch on (_Shipped.ship[1]).
-VIEWS, PIN_THREAD, DELIVER = 0, 1, 2
-
-
-def _adopt_installed(token, index, nbytes, record, objects, tree, data_bytes, pool, handover):
-    """A batch of an iterator fastpin.install() set up, as it is unpickled in the
-    main process (the pin thread, or the iterator itself where none runs): for
-    the pin thread to make into views (PIN_THREAD: a PinnedInWorkers), its views
-    now (VIEWS), or as it is, for install(device=...)'s delivery (DELIVER: the
-    Adopted, which it copies to the device as one block)."""
-    batch = _adopt(token, index, nbytes, record, objects, tree, data_bytes)
-    if handover == DELIVER:
-        return batch  # its step looks at the GPU's fences itself
-    own = _pools.get(pool)
-    if own is not None:
-        own.collect()  # only this process can see the GPU finish with blocks
-    if handover == PIN_THREAD:
-        return PinnedInWorkers(batch.block, record, objects, tree, data_bytes)
-    return receive(batch)[0]
-
-
-def adopted(batch: Any) -> Any:
-    """The batch as the main process holds it: an Adopted for a batch a worker
-    placed in the arena (also one collated here, num_workers=0), else as it came."""
-    if isinstance(batch, _Shipped):  # collated in this process (num_workers=0)
-        if batch.block is not None:
-            batch.block.detach()  # handed over to the adopting Block below
-        batch = _adopt(batch.token, batch.index, batch.nbytes, *batch.layout)
-    return batch
-
-
-def receive(batch: Any, consumer_stream: Any = None) -> tuple:
-    """For a batch as adopted() gives it: (batch with tensors over the adopted
-    block, True), or (batch, False) for a batch that came the ordinary way (a
-    worker fell back)."""
-    if not isinstance(batch, Adopted):
-        return batch, False
-    if consumer_stream is not None:
-        batch.block.consumer_stream = consumer_stream
-    return batch.views(), True
-
-
-def device_views(batch: "Adopted", buffer, ordinary=None) -> Optional[Any]:
-    """The batch with each leaf a view of `buffer`, a device tensor of the
-    block's bytes (its length a multiple of 16) that one copy fills (at the leaf's offset, with its shape and
-    strides: _record.device_specs), those not in the block ordinary(x) (or as
-    they are); None when a leaf has a NumPy dtype torch does not know (the
-    caller then takes the ordinary path, which says so)."""
-    objects = batch.objects
-    typed: dict = {}  # dtype -> the whole buffer viewed as it: one view a leaf, not three
-    views = []
-    for (offset, nbytes, dtype, obj, numpy, shape, strides,
-         grad) in _record.device_specs(batch.record):
-        if obj is not None:  # a NumPy dtype object, or a torch dtype to view as
-            dtype = _leaves.torch_dtype_of(objects[obj]) if numpy else objects[obj]
-        if dtype is None:
-            return None
-        whole = typed.get(dtype)
-        if whole is None:
-            whole = typed[dtype] = buffer.view(dtype)
-        step = whole.element_size()
-        if offset % step:  # never for fastpin's blocks (leaves are granule-aligned)
-            view = buffer[offset:offset + nbytes].view(dtype).as_strided(shape, strides)
-        else:
-            view = whole.as_strided(shape, strides, offset // step)
-        views.append(view.requires_grad_() if grad else view)
-    return batch.views(ordinary, leaf=views)
-
-
-# ---- the consumer-side driver ------------------------------------------------------
-
-class Ahead:
-    """Delivery in the consumer's own next(), `depth` batches ahead: take the
-    source's next batches until `depth` are prepared beyond the one to hand
-    over (prepare: received, unpacked, its copy issued on the copy stream),
-    then hand over the oldest (deliver). With worker processes behind the
-    source this is all the main process does per batch: no thread, no queue.
-
-    The source's end and its errors come in order: the batches prepared before
-    them are handed over first; then StopIteration, or the error (once).
-    After either the driver starts afresh: a DataLoader iterator whose worker
-    raised goes on with its next batch, persistent workers with their next
-    epoch. Ctrl-C (any BaseException but StopIteration) is raised at once,
-    the prepared batches kept. Not thread-safe: one consumer at a time."""
-
-    __slots__ = ("step", "depth", "stats", "pending", "error", "ended", "pulling")
-
-    def __init__(self, step, depth: int, stats: Optional["Stats"] = None):
-        self.step = step
-        self.depth = depth
-        self.stats = stats  # where the time spent waiting and preparing is added
-        self.pending: collections.deque = collections.deque()  # prepared items, oldest first
-        self.error: Optional[BaseException] = None  # the source's, raised after `pending`
-        self.ended = False     # the source said StopIteration (or raised) this round
-        self.pulling = False   # inside pull(): the source may shut itself down there
-
-    def next(self, pull: Callable[[], Any], ready: Optional[Callable[[], bool]] = None):
-        """The next batch; pull() gives the source's next one (StopIteration at
-        its end). ready(), where given, says whether pull() would return
-        without waiting: batches beyond the one to hand over are taken only
-        while it says so, so that a slow or hung worker never holds back a
-        batch that has arrived (a DataLoader's: batch_ready)."""
-        if not self.ended:
-            self.fill(pull, ready)
-        if self.pending:
-            return self.step.deliver(self.pending.popleft())
-        return self.finish()
-
-    def fill(self, pull: Callable[[], Any], ready: Optional[Callable[[], bool]]) -> None:
-        pending, prepare = self.pending, self.step.prepare_here
-        clock = time.perf_counter
-        waited = prepared = 0.0
-        try:
-            while len(pending) <= self.depth:
-                if pending and ready is not None and not ready():
-                    return
-                t0 = clock()
-                self.pulling = True
-                try:
-                    batch = pull()
-                except StopIteration:
-                    self.ended = True
-                    return
-                except Exception as exc:  # noqa: BLE001 - raised in its turn (finish)
-                    self.ended, self.error = True, exc
-                    return
-                finally:
-                    self.pulling = False
-                    t1 = clock()
-                    waited += t1 - t0
-                try:
-                    pending.append(prepare(batch))
-                except Exception as exc:  # noqa: BLE001 - raised in its turn (finish)
-                    self.ended, self.error = True, exc
-                    return
-                finally:
-                    batch = None  # a zero-copy batch's block is free to go once copied
-                    prepared += clock() - t1
-        finally:
-            stats = self.stats
-            if stats is not None:
-                with stats.lock:
-                    stats.wait_seconds += waited
-                    stats.copy_seconds += prepared
-
-    def finish(self):
-        """Nothing prepared is left: the source's end, or its error, once."""
-        error, self.error, self.ended = self.error, None, False
-        if error is None:
-            raise StopIteration
-        try:
-            raise error
-        finally:
-            # No cycle through this frame: the error's traceback holds the
-            # source's frames, freed with the error.
-            del error
-
-    def clear(self) -> None:
-        """Drop what is prepared (a new epoch, the source shut down): the
-        batches' device memory goes back as they die. Safe from any thread."""
-        self.pending.clear()
-        self.error, self.ended = None, False
-
-
-class Delivering:
-    """Mixed into a DataLoader iterator by install(device=...) (one subclass per
-    iterator class, made once: delivering()): its batches come from an Ahead
-    (the iterator's `_fastpin_ahead`) over the iterator's own _next_data. The
-    iterator keeps its workers, its order, its ends; what is prepared ahead is
-    dropped when it is reset for a new epoch (persistent workers), shut down or
-    dropped. No reference cycle: dropping the iterator shuts its workers down
-    at once, as the stock one does."""
-
-    _fastpin_ahead: Ahead
-
-    def _next_data(self):
-        return self._fastpin_ahead.next(super()._next_data, self._fastpin_ready)
-
-    def _fastpin_ready(self) -> bool:
-        return batch_ready(self)
-
-    def _reset(self, *args, **kwargs):
-        ahead = self.__dict__.get("_fastpin_ahead")
-        if ahead is not None:
-            ahead.clear()  # the previous epoch's batches, prepared ahead
-        super()._reset(*args, **kwargs)
-
-    def _shutdown_workers(self):
-        ahead = self.__dict__.get("_fastpin_ahead")
-        # The source shuts itself down at its end, inside pull(): what is
-        # prepared is still to be handed over then.
-        if ahead is not None and not ahead.pulling:
-            ahead.clear()
-        super()._shutdown_workers()
-
-
-def batch_ready(it) -> bool:
-    """Whether DataLoader iterator `it` (with workers) has its next batch here:
-    arrived out of order and kept, or something in its queue (with in_order,
-    that may be a later batch: next() then waits for the one it needs, as it
-    would have)."""
-    info = it._task_info.get(it._rcvd_idx)
-    if info is not None and len(info) == 2:
-        return True
-    try:
-        return not it._data_queue.empty()
-    except (OSError, ValueError):  # closed: next() says why
-        return True
-
-
-def ready_of(source) -> Optional[Callable[[], bool]]:
-    """batch_ready for `source`, a DataLoader iterator with workers; None for
-    any other source (Ahead then takes its batches ahead as they come)."""
-    if all(hasattr(source, name) for name in ("_task_info", "_rcvd_idx", "_data_queue")):
-        return lambda: batch_ready(source)
-    return None
-
-
-_delivering: dict = {}   # iterator class -> its Delivering subclass
-_delivering_lock = threading.Lock()
-
-
-def delivering(cls: type) -> type:
-    """`cls` (a DataLoader iterator class) with Delivering mixed in: same name,
-    isinstance of `cls`, made once."""
-    sub = _delivering.get(cls)
-    if sub is None:
-        with _delivering_lock:
-            sub = _delivering.get(cls)
-            if sub is None:
-                sub = type(cls.__name__, (Delivering, cls),
-                           {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-                _delivering[cls] = sub
-    return sub
-
-
-def deliver_from(it, step, depth: int) -> None:
-    """Make DataLoader iterator `it` (in its __init__, before it starts a pin
-    thread) hand over its batches through `step`, `depth` ahead, in the
-    consumer's next()."""
-    it._pin_memory = False  # no pin thread: the batch goes from the worker to `step`
-    it._fastpin_ahead = Ahead(step, depth, step.stats)
-    it.__class__ = delivering(type(it))

@@ -16,7 +16,7 @@ Two hooks, both undone by uninstall():
     DataLoader, kept while the DataLoader lives, so later epochs find it
     sized);
   - device (install(device=...) or FASTPIN_INSTALL_DEVICE): turns its pin
-    thread off and mixes _delivery.Delivering into it, so that each batch goes
+    thread off and mixes _ahead.Delivering into it, so that each batch goes
     from the worker through the delivery engine (the same step as
     Loader(device)'s), copied on a side stream `_DEPTH` batches ahead in the
     consumer's own next(), ready on the consumer's current stream.
@@ -41,7 +41,7 @@ import types
 import weakref
 from typing import Any, Optional
 
-from . import _delivery, _graphs, _numa, _torch
+from . import _ahead, _delivery, _graphs, _numa, _torch
 from ._arena import cuda_status, device_index
 from ._pin import pin_memory
 from ._runtime import check_bool, cuda_available, process, replaced, settings
@@ -206,7 +206,7 @@ def _deliver(it, loader, zero_copy: bool, device) -> None:
     target = _delivery.Target(
         _torch.require("fastpin.install").device("cuda", index), index, depth, stats,
         pool=pool, loader=_shape(loader), pin_objects=True, who="fastpin.install(device=...)")
-    _delivery.deliver_from(it, _delivery.choose(target, zero_copy)(), depth)
+    _ahead.deliver_from(it, _delivery.choose(target, zero_copy)(), depth)
 
 
 def _current_device() -> int:

@@ -1,15 +1,15 @@
 """fastpin.Loader: batches arrive on the GPU, copied on a side stream while the
 previous step computes.
 
-Each epoch has a producer (_Producer: a background thread and a queue, `depth`
-batches ahead) that takes batches from the wrapped iterable and hands each to
-the Loader's mode (_delivery: pass through, pin on the host, copy to the device,
-adopt what zero-copy workers placed), chosen once when the Loader is made;
-the consumer's iterator (_Epoch) hands the prepared batches over. Leaving an
-epoch never waits on the source (_Producer.shutdown). On a device, the mode
-copies every leaf on the Loader's copy stream and records one event; `next()`
-makes the consumer's current stream wait on it (no host synchronisation) and
-record_stream's the batch's tensors onto that stream.
+Each epoch has a producer (_producer._Producer: a background thread and a
+queue, `depth` batches ahead) that takes batches from the wrapped iterable and
+hands each to the Loader's mode (_delivery: pass through, pin on the host, copy
+to the device, adopt what zero-copy workers placed), chosen once when the
+Loader is made; the consumer's iterator (_Epoch) hands the prepared batches
+over. Leaving an epoch never waits on the source (_producer). On a device, the
+mode copies every leaf on the Loader's copy stream and records one event;
+`next()` makes the consumer's current stream wait on it (no host
+synchronisation) and record_stream's the batch's tensors onto that stream.
 
 One Loader per rank: a Loader binds to one GPU (its device, or the current one)
 and touches no other. Its copy stream lives there, and its arena (its own, or
@@ -18,7 +18,6 @@ pages on the GPU's NUMA node; the copy threads run on that node's CPUs.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import queue
@@ -27,52 +26,13 @@ import time
 import weakref
 from typing import Any, Iterable, Optional, Union
 
-from . import _C, _delivery, _graphs, _numa, _torch
+from . import _C, _ahead, _delivery, _graphs, _numa, _torch
 from ._arena import cuda_available, default_arena, device_index, made_default_arena
 from ._grow import GrowingArena
-from ._runtime import check_capacity, check_int, memory_room, process, settings
+from ._producer import _POLL, _STOP, _end_here, _Failure, _Producer, _worker_backed
+from ._runtime import check_capacity, check_int, settings
 
 log = logging.getLogger("fastpin")
-
-_STOP = object()  # end of the epoch
-_POLL = 0.1       # seconds between checks of the stop flag while blocked
-# How long a closing epoch waits for a producer that is not inside the source
-# (queueing or preparing a batch: bounded work) before abandoning it.
-_GRACE = 1.0
-
-
-@atexit.register
-def _at_exit() -> None:
-    """Stop the producers still running (process.producers) before Python
-    finalizes: from then on a thread that takes the GIL back is ended where it
-    stands, and inside a torch call (which releases the GIL) or a tensor's
-    free, that end aborts the process (a C++ destructor). So each thread gets
-    the short grace a closing epoch gives it to leave what it is doing and
-    park, holding what it has, freeing nothing (_Producer.park): preparing or
-    queueing a batch, and reading a source that runs in this process (a
-    DataLoader without workers, a generator: its fetch and collate call torch
-    in this very thread, and end with the batch). Only a thread waiting on
-    worker processes is not waited for: a worker may hang forever, and the
-    thread only waits on a queue there, in no torch call; the DataLoader's own
-    exit path, multiprocessing's atexit, terminates its workers without
-    waiting either."""
-    process.exiting = True
-    producers = list(process.producers)
-    for producer in producers:
-        producer.halt()  # its queued batches go here, in the main thread
-    deadline = time.monotonic() + _GRACE
-    for producer in producers:
-        while (producer.thread.is_alive() and not producer.waits_on_workers()
-               and time.monotonic() < deadline and not producer.parked.wait(0.01)):
-            pass
-
-
-class _Failure:
-    """An exception raised while producing a batch, re-raised by next()."""
-
-    def __init__(self, exc: BaseException):
-        self.exc = exc
-
 
 class Loader:
     """Wrap any iterable of batches (a DataLoader first of all) so that batches
@@ -323,194 +283,6 @@ def _zero_copy_applies(loader) -> bool:
     return (issubclass(type(loader), DataLoader) and loader.num_workers > 0
             and settings.zero_copy)
 
-
-class _Producer:
-    """The background half of one epoch: takes batches from the source,
-    prepares them and queues them, `depth` ahead of the consumer. It holds no
-    reference to the consumer's iterator, so dropping that (a break) stops it."""
-
-    def __init__(self, owner: Loader, previous: "Optional[_Producer]" = None, start: bool = True):
-        self.mode = owner._mode()  # what is done to each batch (_delivery)
-        self.stats = owner._stats
-        self.placement = owner._placement
-        self.queue: queue.Queue = queue.Queue(maxsize=owner.depth)
-        self.stop = threading.Event()
-        # True while the thread is inside next(source): there it may stay for as
-        # long as the source likes (a slow dataset, a worker that hangs), so a
-        # closing epoch does not wait for it (see shutdown).
-        self.in_source = False
-        # Set (under `ending`) once the thread has run mode.end(): a shutdown
-        # that ends the workers after that runs it again (see shutdown).
-        self.ended = False
-        self.ending = threading.Lock()
-        self.parked = threading.Event()  # set by the thread once it is parked (see park)
-        source = owner._source  # zero-copy: the Loader's view of the DataLoader
-        if previous is not None and (previous.source is source or previous.source is
-                                     getattr(source, "_iterator", None)):
-            # The source is the previous epoch's own iterator (an iterator given
-            # as the loader, a DataLoader's persistent workers): one thread at a
-            # time may be inside it. The plain DataLoader waits here as well (its
-            # _reset waits for every worker to resume).
-            previous.wait()
-            previous = None
-        self.source = iter(source)
-        # Whether the source's batches come from worker processes: a thread
-        # inside it then only waits on their queues (see waits_on_workers).
-        self.worker_backed = _worker_backed(self.source)
-        if self.worker_backed:
-            _workers_first_to_go(self.source)
-        # Another iterator over the same dataset, run in this process by a
-        # previous epoch's thread that is still inside it (0 workers, a plain
-        # iterable): this thread waits for it to leave before reading the source,
-        # so the dataset is never read by two threads at once.
-        self.previous = previous if previous is not None and not _worker_backed(previous.source) else None
-        self.thread = threading.Thread(target=self.run, name="fastpin-loader", daemon=True)
-        if start:
-            self.start()
-
-    def start(self) -> None:
-        process.producers.add(self)
-        self.thread.start()
-
-    def run(self) -> None:
-        source = self.source
-        _numa.name_this_thread(self.thread.name)  # in /proc and perf too, not only in Python
-        mode = self.mode
-        try:
-            mode.in_thread()  # before any other CUDA call of this thread
-            # This thread copies its share of every batch (the pool helps).
-            _numa.pin_this_thread(self.placement)
-            if self.previous is not None:
-                while self.previous.thread.is_alive() and not self.stop.is_set():
-                    self.previous.thread.join(_POLL)
-                self.previous = None
-            while True:
-                self.hold_back()
-                self.in_source = True
-                if self.stop.is_set():
-                    return
-                try:
-                    batch = next(source)
-                except StopIteration:
-                    self.in_source = False
-                    self.put(_STOP)
-                    return
-                self.in_source = False
-                if self.stop.is_set():
-                    return  # abandoned while in the source: the batch is dropped here
-                t0 = time.perf_counter()
-                item = mode.prepare(batch)
-                batch = None  # a zero-copy batch's block is free to go once copied
-                dt = time.perf_counter() - t0
-                with self.stats.lock:
-                    self.stats.copy_seconds += dt
-                self.put(item)
-                item = None
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
-            self.in_source = False
-            if not self.stop.is_set():
-                self.put(_Failure(exc))
-        finally:
-            self.in_source = False
-            if process.exiting:
-                self.park()
-            # Dropping the last reference to a DataLoader iterator shuts its
-            # workers down (a no-op if the consumer did so already).
-            self.source = source = None
-            if self.stop.is_set():
-                self.drain()  # what a stopped epoch queued goes, never to nobody
-            with self.ending:
-                self.ended = True
-                if not process.exiting:
-                    mode.end()
-
-    def hold_back(self) -> None:
-        """Under a cgroup memory limit that leaves less than two batches of room
-        (_runtime.memory_room), take no batch ahead of the consumer: each one
-        queued is held here on top of what the source holds, and a process that
-        holds more than its workers is the one the kernel kills, without a word,
-        where the DataLoader alone would lose a worker and raise."""
-        stats = self.stats
-        while not self.stop.is_set() and not self.queue.empty():
-            room = memory_room()
-            if room is None or (stats.batches and room >= 2 * stats.bytes // stats.batches):
-                return
-            time.sleep(_POLL / 10)
-
-    def waits_on_workers(self) -> bool:
-        """Inside a source whose batches come from worker processes: the
-        thread only waits on their queues there, for as long as they take."""
-        return self.in_source and self.worker_backed
-
-    def park(self) -> None:
-        """The interpreter is exiting: block here for good, holding every
-        reference the thread has (its batches, the source), so that it frees
-        nothing and calls into torch no more while Python finalizes (see
-        _at_exit). The process ends with the thread parked."""
-        self.parked.set()
-        threading.Event().wait()
-
-    def put(self, item) -> None:
-        """Queue `item` for the consumer; once the epoch is stopped, drop it."""
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=_POLL)
-                return
-            except queue.Full:
-                continue
-
-    def drain(self) -> None:
-        """Drop what is queued (the batches' memory goes back as they die)."""
-        while True:
-            try:
-                self.queue.get_nowait()
-            except queue.Empty:
-                return
-
-    def halt(self) -> None:
-        """Ask the thread to stop and drop what it queued; waits for nothing.
-        What the thread produces from now on it drops itself."""
-        self.stop.set()
-        self.drain()
-
-    def wait(self) -> None:
-        """Wait for the (halted) thread to end, interruptibly (Ctrl-C)."""
-        while (self.thread.is_alive() and not self.parked.is_set()
-               and threading.current_thread() is not self.thread):
-            self.drain()
-            self.thread.join(_POLL)
-
-    def shutdown(self) -> None:
-        """End the epoch's thread as a dropped DataLoader iterator ends its
-        workers, and never wait on a thread that may never return: a thread busy
-        queueing or preparing a batch gets a short grace; one inside the source
-        (or past the grace) is left there, a daemon that drops whatever it gets
-        from then on, and the DataLoader iterator it reads has its workers shut
-        down here, just as the DataLoader's own __del__ would at this point.
-        Safe from any thread."""
-        self.halt()
-        if process.exiting or threading.current_thread() is self.thread or not self.thread.is_alive():
-            return
-        deadline = time.monotonic() + _GRACE
-        while self.thread.is_alive() and not self.in_source and time.monotonic() < deadline:
-            self.drain()
-            self.thread.join(0.01)
-        source = self.source
-        if self.thread.is_alive() and source is not None:
-            # Inside next(source), or past the grace in prepare: the workers go
-            # now either way, as they would with the DataLoader alone.
-            _shutdown_workers(source)
-            with self.ending:
-                if self.ended and not process.exiting:
-                    # The thread left (a batch came) and ended while the
-                    # workers still ran: what they shipped and nobody read is
-                    # theirs, and they are gone only now.
-                    self.mode.end()
-        self.drain()
-        if not self.thread.is_alive():
-            self.mode.forget()
-
-
 def _own_workers(loader):
     """What a Loader's epochs iterate: `loader`, or for a DataLoader with
     persistent workers a shallow copy of it (_zerocopy.dataloader_view), so
@@ -526,68 +298,12 @@ def _own_workers(loader):
 
     return dataloader_view(loader, loader.collate_fn)
 
-
-def _worker_backed(source) -> bool:
-    """A DataLoader iterator with worker processes: a thread inside its next()
-    only waits on its queues, and reads no dataset in this process."""
-    return hasattr(source, "_shutdown_workers")
-
-
-# Added to a DataLoader worker's oom_score_adj under a cgroup memory limit
-# (the kernel's scale: -1000 never, +1000 first).
-_WORKER_OOM_ADJ = 500
-
-
-def _workers_first_to_go(source) -> None:
-    """Under a cgroup memory limit, make the DataLoader iterator's workers the
-    kernel's first choice when the cgroup runs out (raising a process's
-    oom_score_adj needs no privilege). The Loader's process holds the batches
-    it prepares ahead, the copies and the arena, so it is the largest, and the
-    kernel would kill it without a word; a killed worker is what the
-    DataLoader alone would lose, and its iterator then raises, saying so."""
-    if memory_room() is None:
-        return
-    for worker in getattr(source, "_workers", ()):
-        try:
-            with open(f"/proc/{worker.pid}/oom_score_adj", "r+") as f:
-                now = int(f.read().strip() or 0)
-                f.seek(0)
-                f.write(str(min(now + _WORKER_OOM_ADJ, 1000)))
-        except (OSError, ValueError, AttributeError):
-            pass  # gone already, or /proc refused: the kernel chooses as before
-
-
-def _shutdown_workers(source) -> None:
-    """Shut down a DataLoader iterator's workers from another thread than the one
-    waiting in its next(), the way its __del__ does (DataLoader's own bounded
-    joins, then terminate), and wake that thread: once the workers are gone, its
-    data-queue loop never returns by itself (without a DataLoader timeout it
-    polls forever), so a sentinel it cannot unpack makes next() raise there,
-    where the stopped thread drops the error."""
-    shutdown = getattr(source, "_shutdown_workers", None)
-    if shutdown is None or getattr(source, "_persistent_workers", False):
-        # Persistent workers outlive the epoch, as with the plain DataLoader;
-        # the thread leaves next() when their batch arrives.
-        return
-    try:
-        shutdown()
-    except Exception as exc:  # noqa: BLE001 - a half shut-down iterator: its __del__ retries
-        log.debug("fastpin.Loader: shutting down the DataLoader's workers: %r", exc)
-    data_queue = getattr(source, "_data_queue", None)
-    try:
-        if hasattr(data_queue, "cancel_join_thread"):
-            data_queue.cancel_join_thread()  # never wait at exit to flush the sentinel
-        data_queue.put(None)
-    except Exception:  # noqa: BLE001 - closed already: nothing waits on it
-        pass
-
-
 class _Epoch:
     """The consumer's iterator over one epoch. Any number of threads may draw
     from it; each sees the end. Where the source has worker processes (a
     DataLoader with workers: they run ahead already), and with depth=0, each
     batch is taken from the source and prepared in the consumer's own next(),
-    `depth` batches ahead (_delivery.Ahead); else the producer's thread does
+    `depth` batches ahead (_ahead.Ahead); else the producer's thread does
     it, a queue ahead. Closing it never waits on the source: see
     _Producer.shutdown and _end_here, run when the epoch is dropped (as a
     DataLoader iterator shuts its workers down in __del__)."""
@@ -597,10 +313,10 @@ class _Epoch:
         self.deliver = self.producer.mode.deliver
         self.stats = owner._stats
         self.closed = False
-        self.ahead: Optional[_delivery.Ahead] = None
+        self.ahead: Optional[_ahead.Ahead] = None
         if owner.depth == 0 or _worker_backed(self.producer.source):
-            self.ahead = _delivery.Ahead(self.producer.mode, owner.depth, owner._stats)
-            self.ready = _delivery.ready_of(self.producer.source)
+            self.ahead = _ahead.Ahead(self.producer.mode, owner.depth, owner._stats)
+            self.ready = _ahead.ready_of(self.producer.source)
             self.lock = threading.Lock()  # one thread at a time in the source
             self._finalizer = weakref.finalize(self, _end_here, self.producer)
         else:
@@ -622,7 +338,7 @@ class _Epoch:
         return self.deliver(self._next_queued())
 
     def _next_here(self):
-        """The batch, taken and prepared here, `depth` ahead (_delivery.Ahead)."""
+        """The batch, taken and prepared here, `depth` ahead (_ahead.Ahead)."""
         with self.lock:
             if self.closed:
                 raise StopIteration
@@ -678,22 +394,3 @@ class _Epoch:
             if self.ahead is not None:
                 self.ahead.clear()
             self.producer.halt()
-
-
-def _end_here(producer: _Producer) -> None:
-    """A consumer-side epoch is dropped: its DataLoader iterator's workers are
-    shut down now, as its own __del__ would (unless persistent: they outlive
-    the epoch), then the blocks of workers that died before their batches
-    arrived are reclaimed. Nothing runs in a source here: nothing to wait for."""
-    source, producer.source = producer.source, None
-    if process.exiting:
-        return
-    shutdown = getattr(source, "_shutdown_workers", None)
-    if shutdown is not None and not getattr(source, "_persistent_workers", False):
-        try:
-            shutdown()
-        except Exception as exc:  # noqa: BLE001 - a half shut-down iterator: its __del__ retries
-            log.debug("fastpin.Loader: shutting down the DataLoader's workers: %r", exc)
-    source = None
-    producer.mode.forget()
-    producer.mode.end()

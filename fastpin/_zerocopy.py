@@ -51,7 +51,7 @@ from torch.utils.data._utils.collate import (
 from . import _C
 from . import _leaves
 from . import _record
-from ._delivery import (  # noqa: F401 - the main process's side, here by name for tests and tools
+from ._adoption import (  # noqa: F401 - the main process's side, here by name for tests and tools
     DELIVER,
     PIN_THREAD,
     VIEWS,

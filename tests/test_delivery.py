@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 import fastpin
-from fastpin import _delivery, _install
+from fastpin import _ahead, _delivery, _install
 from conftest import assert_same
 from test_install import (
     FORK_WARNING, NO_ACCELERATOR, BATCH, Named, PatternDataset, assert_batch, collate_pair,
@@ -73,7 +73,7 @@ def source(items, errors=()):
 @pytest.mark.parametrize("depth", [0, 1, 2, 5])
 def test_ahead_order_and_depth(depth):
     step = Step()
-    ahead = _delivery.Ahead(step, depth)
+    ahead = _ahead.Ahead(step, depth)
     pull = source(range(8))
     got = []
     for k in range(8):
@@ -90,7 +90,7 @@ def test_ahead_order_and_depth(depth):
 
 def test_ahead_takes_batches_ahead_only_while_they_are_ready():
     step = Step()
-    ahead = _delivery.Ahead(step, 3)
+    ahead = _ahead.Ahead(step, 3)
     pull = source(range(6))
     there = [False]
     assert ahead.next(pull, lambda: there[0]) == 0     # the one it needs, then no waiting
@@ -106,7 +106,7 @@ def test_ahead_takes_batches_ahead_only_while_they_are_ready():
 
 def test_ahead_source_errors_come_in_their_turn():
     step = Step()
-    ahead = _delivery.Ahead(step, 2)
+    ahead = _ahead.Ahead(step, 2)
     pull = source(range(6), errors={3})
     assert [ahead.next(pull) for _ in range(3)] == [0, 1, 2]
     with pytest.raises(KeyError, match="3"):
@@ -119,7 +119,7 @@ def test_ahead_source_errors_come_in_their_turn():
 
 def test_ahead_prepare_errors_come_in_their_turn():
     step = Step(fail_on=2)
-    ahead = _delivery.Ahead(step, 3)
+    ahead = _ahead.Ahead(step, 3)
     pull = source(range(5))
     assert [ahead.next(pull) for _ in range(2)] == [0, 1]
     with pytest.raises(ValueError, match="prepare 2"):
@@ -130,7 +130,7 @@ def test_ahead_prepare_errors_come_in_their_turn():
 def test_ahead_after_the_end_starts_afresh():
     """A persistent DataLoader iterator's next epoch: its end, then more batches."""
     step = Step()
-    ahead = _delivery.Ahead(step, 2)
+    ahead = _ahead.Ahead(step, 2)
     epochs = iter([[0, 1, 2], [10, 11]])
     current = iter(next(epochs))
 
@@ -148,7 +148,7 @@ def test_ahead_after_the_end_starts_afresh():
 
 def test_ahead_ctrl_c_is_raised_at_once_and_keeps_what_is_prepared():
     step = Step()
-    ahead = _delivery.Ahead(step, 2)
+    ahead = _ahead.Ahead(step, 2)
     calls = []
 
     def pull():
@@ -168,7 +168,7 @@ def test_ahead_clear_drops_prepared_batches():
         pass
 
     step = Step()
-    ahead = _delivery.Ahead(step, 3)
+    ahead = _ahead.Ahead(step, 3)
     made = collections.deque(Big() for _ in range(6))
     refs = [weakref.ref(b) for b in made]
     pull = made.popleft  # holds only those not taken yet
@@ -182,7 +182,7 @@ def test_ahead_clear_drops_prepared_batches():
 
 def test_ahead_counts_time():
     step = Step()
-    ahead = _delivery.Ahead(step, 1, step.stats)
+    ahead = _ahead.Ahead(step, 1, step.stats)
 
     def pull():
         time.sleep(0.01)
@@ -304,7 +304,7 @@ def test_install_device_exact_against_stock(method, persistent, fake_device, not
                 persistent_workers=persistent)
     for refs in stock_epochs(ds, 11, persistent):
         it = iter(dl)
-        assert not hasattr(it, "_pin_memory_thread") and isinstance(it, _delivery.Delivering)
+        assert not hasattr(it, "_pin_memory_thread") and isinstance(it, _ahead.Delivering)
         check_delivered(list(it), refs)
         del it
     assert FakeCopy.counts["blocks"] == 2 * 6  # every batch as one block: no worker fell back
@@ -482,7 +482,7 @@ def test_install_device_uninstall_mid_epoch_and_two_loaders(fake_device):
     fastpin.uninstall()
     check_delivered(list(it), t_refs[1:])        # the epoch finishes as it began
     stock = iter(train)   # stock again: its own pin thread (which cannot pin on a CPU)
-    assert not isinstance(stock, _delivery.Delivering) and hasattr(stock, "_pin_memory_thread")
+    assert not isinstance(stock, _ahead.Delivering) and hasattr(stock, "_pin_memory_thread")
     del stock
     fastpin.install(device="cuda")  # for the fixture's uninstall
 
@@ -494,7 +494,7 @@ def test_install_device_stateful_dataloader_resumes_exactly(fake_device):
     refs = expected_batches(ds)
     dl = stateful.StatefulDataLoader(ds, batch_size=BATCH, num_workers=2, pin_memory=True)
     it = iter(dl)
-    assert isinstance(it, _delivery.Delivering)
+    assert isinstance(it, _ahead.Delivering)
     first = [next(it), next(it)]
     state = dl.state_dict()
     check_delivered(first, refs[:2])
@@ -519,7 +519,7 @@ def test_install_device_leaves_other_loaders_alone(fake_device):
     for dl in (DataLoader(ds, batch_size=4, num_workers=2),           # pin_memory=False
                DataLoader(ds, batch_size=4, pin_memory=True)):        # no workers
         it = iter(dl)
-        assert not isinstance(it, _delivery.Delivering)
+        assert not isinstance(it, _ahead.Delivering)
         for out, ref in zip(it, expected_batches(ds, 4), strict=True):
             assert_batch(out, ref)
 

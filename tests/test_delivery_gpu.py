@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 import fastpin
-from fastpin import _delivery
+from fastpin import _ahead
 from conftest import assert_same, sleep_cycles
 from test_install import (
     FORK_WARNING, BATCH, Named, PatternDataset, collate_pair, expected_batches, seeded,
@@ -369,7 +369,7 @@ def test_stock_default_collate_unchanged():
         list(dl)
         assert dl.collate_fn is default_collate
         it = iter(dl)
-        assert isinstance(it, _delivery.Delivering)
+        assert isinstance(it, _ahead.Delivering)
         del it
     finally:
         fastpin.uninstall()

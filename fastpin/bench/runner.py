@@ -313,15 +313,7 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
     """
     from fastpin._arena import get_capacity
 
-    paths = list(PATHS) if paths is None else list(paths)
-    unknown = [p for p in paths if p not in PATHS]
-    if unknown:
-        raise ValueError(f"unknown paths {unknown}; choose from {list(PATHS)}")
-    if batches < 1 or warmup < 0:
-        raise ValueError("batches must be at least 1 and warmup at least 0")
-    if not min_seconds >= 0 or min_seconds == float("inf"):
-        raise ValueError(f"min_seconds must be a finite number of seconds >= 0, not "
-                         f"{min_seconds!r}")
+    paths = _checked_paths(paths, batches, warmup, min_seconds)
     target, host_reason = target_of(device)
     if step is None and compute_ms > 0:
         step = gpu_compute(compute_ms, target) if target is not None else host_compute(compute_ms)
@@ -346,6 +338,22 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
         if own:
             reporter.close()
     return results
+
+
+def _checked_paths(paths: Optional[Sequence[str]], batches: int, warmup: int,
+                   min_seconds: float) -> list:
+    """compare()'s paths (default: all, in PATHS's order), once its arguments
+    are checked; ValueError names what is wrong before any path runs."""
+    paths = list(PATHS) if paths is None else list(paths)
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        raise ValueError(f"unknown paths {unknown}; choose from {list(PATHS)}")
+    if batches < 1 or warmup < 0:
+        raise ValueError("batches must be at least 1 and warmup at least 0")
+    if not min_seconds >= 0 or min_seconds == float("inf"):
+        raise ValueError(f"min_seconds must be a finite number of seconds >= 0, not "
+                         f"{min_seconds!r}")
+    return paths
 
 
 def _measured(path: str, run: PathRun, results: Results, step: Optional[Callable],
