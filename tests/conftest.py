@@ -224,3 +224,25 @@ def accelerator(monkeypatch):
         monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
     yield
     torch.set_num_threads(threads)
+
+
+def run_threads(target, n: int, timeout: float = 300) -> None:
+    """Run target(t) for t in range(n), each in its own thread, at once; fail if
+    one hangs past `timeout` or raises (the first error is re-raised here)."""
+    import threading
+
+    errors: list = []
+
+    def guarded(t: int) -> None:
+        try:
+            target(t)
+        except BaseException as e:  # noqa: BLE001 - reported by the calling thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(t,)) for t in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=timeout)
+    assert not any(th.is_alive() for th in threads), "a thread hung"
+    assert not errors, errors[0]

@@ -13,7 +13,7 @@ import torch
 
 import fastpin
 from fastpin import _C, _pin
-from conftest import assert_same, patterned, shares_memory
+from conftest import assert_same, patterned, run_threads, shares_memory
 
 KiB, MiB = 1 << 10, 1 << 20
 # The pool's cut-overs (csrc/fastpin.h): the smallest chunk while workers spin,
@@ -61,33 +61,23 @@ def test_default_is_off():
 def test_sizes_around_cut_overs_from_four_threads(spin_off, spin):
     _C.set_spin(spin)
     assert _C.get_spin() == spin
-    errors: list[BaseException] = []
     start = threading.Barrier(4)
 
     def worker(t: int) -> None:
-        try:
-            start.wait()
-            for rep in range(2):
-                for i, nbytes in enumerate(SIZES):
-                    # A large batch first, so pool threads have just copied
-                    # (and spin, when on) as the batch under test comes.
-                    seed = (t << 20) + (rep << 10) + i * 4 + spin % 7
-                    warm = patterned((2 * MiB + 1,), torch.uint8, seed + 3)
-                    batch = _batch(nbytes, seed, (i + t + rep) % 2)
-                    out_warm = fastpin.pin_memory(warm)
-                    out = fastpin.pin_memory(batch)
-                    _check(out_warm, warm)
-                    _check(out, batch)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
+        start.wait()
+        for rep in range(2):
+            for i, nbytes in enumerate(SIZES):
+                # A large batch first, so pool threads have just copied
+                # (and spin, when on) as the batch under test comes.
+                seed = (t << 20) + (rep << 10) + i * 4 + spin % 7
+                warm = patterned((2 * MiB + 1,), torch.uint8, seed + 3)
+                batch = _batch(nbytes, seed, (i + t + rep) % 2)
+                out_warm = fastpin.pin_memory(warm)
+                out = fastpin.pin_memory(batch)
+                _check(out_warm, warm)
+                _check(out, batch)
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=300)
-    assert not any(th.is_alive() for th in threads), "a pinning thread hung"
-    assert not errors, errors[0]
+    run_threads(worker, 4)
 
 
 def test_spin_changed_while_threads_pin(spin_off):
@@ -209,26 +199,16 @@ def test_tuned_cut_overs_from_six_threads(knobs_kept, spin, which):
     tuning = dict(TUNINGS[which], spin_ns=spin, streaming=which % 2 == 0)
     _pin.tune_copy(**tuning)
     sizes = _cuts(TUNINGS[which])
-    errors: list[BaseException] = []
     start = threading.Barrier(6)
 
     def worker(t: int) -> None:
-        try:
-            start.wait()
-            for i, nbytes in enumerate(sizes):
-                seed = (t << 20) + (which << 12) + i * 4 + spin % 5
-                batch = _batch(nbytes, seed, (i + t) % 2)
-                _check(fastpin.pin_memory(batch), batch)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
+        start.wait()
+        for i, nbytes in enumerate(sizes):
+            seed = (t << 20) + (which << 12) + i * 4 + spin % 5
+            batch = _batch(nbytes, seed, (i + t) % 2)
+            _check(fastpin.pin_memory(batch), batch)
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=300)
-    assert not any(th.is_alive() for th in threads), "a pinning thread hung"
-    assert not errors, errors[0]
+    run_threads(worker, 6)
 
 
 def test_tuning_changed_while_threads_pin(knobs_kept):

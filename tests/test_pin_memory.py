@@ -13,7 +13,8 @@ import torch
 
 import fastpin
 from fastpin._dtypes import _TORCH
-from conftest import assert_same, in_arena, patterned, settle, shares_memory, tensor_bytes
+from conftest import (assert_same, in_arena, patterned, run_threads, settle, shares_memory,
+                      tensor_bytes)
 
 TORCH_DTYPES = [getattr(torch, name) for name in _TORCH]
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 4), (4, 0, 2), (1, 1, 1, 33)]
@@ -841,31 +842,19 @@ def test_torch_copy_full_arena_keeps_the_policy(small_arena, torch_copy):
 def test_torch_copy_from_many_threads(arena, torch_copy):
     """Batches around both ends of the range from 6 threads at once, each
     checked, while the pool takes the rest."""
-    import threading
-
     torch_copy(256 << 10, 1 << 20)
     sizes = [n + d for n in (256 << 10, 1 << 20) for d in (-1, 0, 1)]
-    errors: list = []
 
     def pinner(t: int) -> None:
-        try:
-            for i in range(30):
-                nbytes = sizes[(i + t) % len(sizes)] - 64
-                x = patterned((nbytes,), torch.uint8, (t << 16) + i)
-                batch = (x, patterned((8,), torch.int64, (t << 16) + i + 1))
-                out = fastpin.pin_memory(batch, arena=arena, on_full="wait")
-                assert_same(out[0], batch[0])
-                assert_same(out[1], batch[1])
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
+        for i in range(30):
+            nbytes = sizes[(i + t) % len(sizes)] - 64
+            x = patterned((nbytes,), torch.uint8, (t << 16) + i)
+            batch = (x, patterned((8,), torch.int64, (t << 16) + i + 1))
+            out = fastpin.pin_memory(batch, arena=arena, on_full="wait")
+            assert_same(out[0], batch[0])
+            assert_same(out[1], batch[1])
 
-    threads = [threading.Thread(target=pinner, args=(t,)) for t in range(6)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=300)
-    assert not any(th.is_alive() for th in threads), "a pinning thread hung"
-    assert not errors, errors[0]
+    run_threads(pinner, 6)
     assert True in torch_copy.taken and False in torch_copy.taken
 
 
