@@ -47,6 +47,10 @@
 #                                the timm prefetcher, install, install_device,
 #                                zero_copy and loader_cuda at 15 workers; the training
 #                                table of the same paths where bench_train takes them
+#   bash scripts/gpu.sh trainers     build, then Lightning's Trainer (resnet18) and HF's Trainer
+#                                (GPT-2 from a config) through stock, install() and
+#                                install(device="cuda"), Lightning also through Loader(device)
+#                                and the GPU-resident upper bound (about 8 minutes)
 #   bash scripts/gpu.sh streams [OLD] build, the stream-safety tests under both fences
 #                                (cuCtxRecordEvent, FASTPIN_FENCE=sync) and
 #                                benchmarks/stream_race.py; with OLD (a directory
@@ -195,6 +199,16 @@ if [ "$what" = engine ]; then
         echo "(bench_train does not take install_device: its table without it)"
     fi
     step timeout 110 python3 -m fastpin.bench_train --workers 15 --steps 30 $train_paths
+fi
+if [ "$what" = trainers ]; then
+    # Lightning's Trainer on resnet18 (float32 images, 15 workers) through stock,
+    # install(), install(device="cuda"), Loader(device) and the GPU-resident upper
+    # bound; then HF's Trainer (GPT-2 from a config, 8 workers) through stock,
+    # install() and install(device="cuda"). About 8 minutes.
+    step timeout 330 env PYTHONPATH="$PWD" python3 benchmarks/lightning_install.py --dtype float32 --workers 15 \
+        --steps 40 --warmup 8 --timeout 80 --json "$OUT/lightning.json"
+    step timeout 200 env PYTHONPATH="$PWD" python3 benchmarks/hf_install.py --workers 8 --steps 40 --warmup 8 \
+        --timeout 80 --json "$OUT/hf.json"
 fi
 if [ "$what" = profile ]; then
     step env PYTHONPATH="$PWD" python3 benchmarks/profile_zero_copy.py "$@"
