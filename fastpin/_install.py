@@ -80,7 +80,9 @@ def install(zero_copy: Optional[bool] = None, device: Any = None) -> None:
     that GPU ("cuda": the current one when the iterator is made, so one
     process per GPU under torchrun gets its own), in the same structure:
     copied on a side stream 2 batches ahead of the loop, the loop's current
-    stream made to wait on each (no host synchronisation). The loop's own
+    stream made to wait on each; a copy still running when its batch is handed
+    over is waited for on the host too, so that a side stream of the user's
+    own (timm's prefetcher) sees the batch whole. The loop's own
     .to(device, non_blocking=True) is then a no-op. The GPU memory held is
     those batches, returned when the iterator ends (its end, del, a new epoch,
     its workers shut down). A StatefulDataLoader's iterator takes no batch
