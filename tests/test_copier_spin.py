@@ -80,7 +80,10 @@ def test_sizes_around_cut_overs_from_four_threads(spin_off, spin):
     run_threads(worker, 4)
 
 
-def test_spin_changed_while_threads_pin(spin_off):
+def _pin_while(sizes: list, stride: int, change) -> None:
+    """Four threads pin batches of `sizes` (each checked) while change(i) runs
+    for i = 0, 1, ... until it returns False; then they stop, and none may have
+    hung or seen a wrong byte."""
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -88,7 +91,7 @@ def test_spin_changed_while_threads_pin(spin_off):
         try:
             i = 0
             while not stop.is_set():
-                nbytes = SIZES[(i * 5 + t) % len(SIZES)]
+                nbytes = sizes[(i * stride + t) % len(sizes)]
                 batch = _batch(nbytes, (t << 24) + i, i % 2)
                 _check(fastpin.pin_memory(batch), batch)
                 i += 1
@@ -99,15 +102,24 @@ def test_spin_changed_while_threads_pin(spin_off):
     for th in threads:
         th.start()
     try:
-        for i in range(60):
-            _C.set_spin([0, 50_000, 1_000, 5_000_000][i % 4])
+        i = 0
+        while change(i):
             threading.Event().wait(0.005)
+            i += 1
     finally:
         stop.set()
         for th in threads:
             th.join(timeout=300)
     assert not any(th.is_alive() for th in threads), "a pinning thread hung"
     assert not errors, errors[0]
+
+
+def test_spin_changed_while_threads_pin(spin_off):
+    def change(i: int) -> bool:
+        _C.set_spin([0, 50_000, 1_000, 5_000_000][i % 4])
+        return i < 59
+
+    _pin_while(SIZES, 5, change)
 
 
 def test_spin_survives_a_new_pool(spin_off):
@@ -212,35 +224,14 @@ def test_tuned_cut_overs_from_six_threads(knobs_kept, spin, which):
 
 
 def test_tuning_changed_while_threads_pin(knobs_kept):
-    stop = threading.Event()
-    errors: list[BaseException] = []
     sizes = sorted({n for t in TUNINGS for n in _cuts(t)})
-
-    def pinner(t: int) -> None:
-        try:
-            i = 0
-            while not stop.is_set():
-                nbytes = sizes[(i * 7 + t) % len(sizes)]
-                batch = _batch(nbytes, (t << 24) + i, i % 2)
-                _check(fastpin.pin_memory(batch), batch)
-                i += 1
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=pinner, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
     default = {k: v for k, v in _pin.copy_tuning().items() if k in _pin.COPY_KEYS}
-    try:
-        for i in range(40):
-            _pin.tune_copy(**dict((TUNINGS + [default])[i % 4], spin_ns=[0, 50_000][i % 2]))
-            threading.Event().wait(0.005)
-    finally:
-        stop.set()
-        for th in threads:
-            th.join(timeout=300)
-    assert not any(th.is_alive() for th in threads), "a pinning thread hung"
-    assert not errors, errors[0]
+
+    def change(i: int) -> bool:
+        _pin.tune_copy(**dict((TUNINGS + [default])[i % 4], spin_ns=[0, 50_000][i % 2]))
+        return i < 39
+
+    _pin_while(sizes, 7, change)
 
 
 def test_set_copy_tuning_refuses_and_keeps(knobs_kept):
