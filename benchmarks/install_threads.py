@@ -6,7 +6,10 @@ as a training script does; zero_copy_cuda (Loader(dl, device="cuda")) and
 install_device (install(device="cuda")) deliver there themselves, in the
 loop's own next() (the .to() is a no-op). The line gives the batch's leaves
 and the budget of main-process CPU a zero-copy device batch is held to
-(50 us + 3 us a leaf).
+(50 us + 3 us a leaf). The path torch_floor is torch's own share of it: the
+same DataLoader (workers, sampler, batch size) whose samples are their indices
+and whose batch is one int, so the main process does nothing but torch's
+per-batch protocol (sampler, index queue, result queue, __next__).
 
     python benchmarks/install_threads.py [--workers 15] [--batches 200] [--case images_u8]
         [--path install_device --path zero_copy_cuda]
@@ -46,12 +49,47 @@ def cpu_by_name(before: dict, after: dict) -> dict:
     return dict(out)
 
 
+class Indices(torch.utils.data.Dataset):
+    """Each sample is its index: a DataLoader over it does torch's work alone."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+def floor_loader(w, dataset, workers: int, batches: int):
+    """The case's DataLoader (sampler, batch size, workers) over Indices, each
+    batch collated to one int (len): no tensor crosses, nothing is pinned."""
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+
+    indices = Indices(len(dataset))
+    sampler = RandomSampler(indices, replacement=True, num_samples=w.batch_size * batches,
+                            generator=torch.Generator().manual_seed(0))
+    if w.batched:
+        return DataLoader(indices, sampler=BatchSampler(sampler, w.batch_size, True),
+                          batch_size=None, num_workers=workers, collate_fn=len)
+    return DataLoader(indices, batch_size=w.batch_size, sampler=sampler, collate_fn=len,
+                      num_workers=workers, drop_last=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def run(path: str, case: str, workers: int, batches: int) -> dict:
     w = workloads.CASES[case]
     dataset = w.make()
     make = w.factory(dataset, workers, batches + 10)
     device = torch.device("cuda")
-    if path == "install":
+    if path == "torch_floor":
+        source = floor_loader(w, dataset, workers, batches + 10)
+    elif path == "install":
         fastpin.install()
         source = make(True)
     elif path == "install_device":
@@ -65,11 +103,11 @@ def run(path: str, case: str, workers: int, batches: int) -> dict:
     to_s, pinned, nleaves = 0.0, None, 0
     for k, batch in enumerate(it):
         if k == 10:
-            torch.cuda.synchronize()
+            sync()
             t0, before = time.perf_counter(), threads()
         leaves = tensors(batch)
         nleaves = nleaves or len(leaves)
-        if not leaves[0].is_cuda:
+        if leaves and not leaves[0].is_cuda:
             if pinned is None:
                 pinned = [x.is_pinned() for x in leaves]
             c0 = time.thread_time()
@@ -78,7 +116,7 @@ def run(path: str, case: str, workers: int, batches: int) -> dict:
                 to_s += time.thread_time() - c0
         del batch, leaves
         if k == batches + 9:
-            torch.cuda.synchronize()
+            sync()
             t1, after = time.perf_counter(), threads()
             break
     if path in ("install", "install_device"):
@@ -86,6 +124,8 @@ def run(path: str, case: str, workers: int, batches: int) -> dict:
 
         pool = process.installed_pools[source][1]
         stats = pool.stats()
+    elif path == "torch_floor":
+        stats = {}
     else:
         stats = source.stats()
         stats = {k: v for k, v in stats.items() if "pool" in k or k == "fallbacks"}
@@ -111,7 +151,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--case", action="append", choices=sorted(workloads.CASES))
     parser.add_argument("--path", action="append",
-                        choices=["install", "zero_copy_host", "zero_copy_cuda", "install_device"])
+                        choices=["install", "zero_copy_host", "zero_copy_cuda", "install_device",
+                                 "torch_floor"])
     parser.add_argument("--json", help="write the lines here too, as a list")
     args = parser.parse_args()
     rows = []

@@ -7,6 +7,7 @@ into a DataLoader iterator (deliver_from), whose _next_data() is then Ahead's.
 from __future__ import annotations
 
 import collections
+import select
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -118,12 +119,13 @@ class Delivering:
     at once, as the stock one does."""
 
     _fastpin_ahead: Ahead
+    _fastpin_poll: Ready
 
     def _next_data(self):
         return self._fastpin_ahead.next(super()._next_data, self._fastpin_ready)
 
     def _fastpin_ready(self) -> bool:
-        return batch_ready(self)
+        return self._fastpin_poll(self)
 
     def _reset(self, *args, **kwargs):
         ahead = self.__dict__.get("_fastpin_ahead")
@@ -140,25 +142,59 @@ class Delivering:
         super()._shutdown_workers()
 
 
+class Ready:
+    """Ready()(it): whether DataLoader iterator `it` (with workers) has its next batch here:
+    arrived out of order and kept, or something in its result queue (with
+    in_order, that may be a later batch: next() then waits for the one it
+    needs, as it would have). Called before every batch taken ahead, so it
+    asks the queue's pipe with one poll(2) on a poll object made once: the
+    queue's own empty() builds a selector each call (4 us against 0.6 us on a
+    2-core CPU machine). It holds no reference to the iterator, which may
+    keep it."""
+
+    __slots__ = ("queue", "poller")
+
+    def __init__(self):
+        self.queue = self.poller = None
+
+    def __call__(self, it) -> bool:
+        info = it._task_info.get(it._rcvd_idx)
+        if info is not None and len(info) == 2:
+            return True
+        queue = it._data_queue
+        try:
+            if queue is not self.queue:
+                self.queue, self.poller = queue, _poller(queue)
+            if self.poller is None:
+                return not queue.empty()
+            # Readable, hung up or closed: next() returns at once or says why.
+            return bool(self.poller.poll(0))
+        except (OSError, ValueError):  # closed: next() says why
+            return True
+
+
+def _poller(queue) -> Optional["select.poll"]:
+    """A poll object on a multiprocessing queue's reading end; None for any
+    other queue (a pin thread's queue.Queue, whose empty() is cheap)."""
+    reader = getattr(queue, "_reader", None)
+    if reader is None or not hasattr(select, "poll"):
+        return None
+    poller = select.poll()
+    poller.register(reader.fileno(), select.POLLIN)
+    return poller
+
+
 def batch_ready(it) -> bool:
-    """Whether DataLoader iterator `it` (with workers) has its next batch here:
-    arrived out of order and kept, or something in its queue (with in_order,
-    that may be a later batch: next() then waits for the one it needs, as it
-    would have)."""
-    info = it._task_info.get(it._rcvd_idx)
-    if info is not None and len(info) == 2:
-        return True
-    try:
-        return not it._data_queue.empty()
-    except (OSError, ValueError):  # closed: next() says why
-        return True
+    """Ready()(it) once (a test's, or a caller's that asks rarely)."""
+    return Ready()(it)
 
 
 def ready_of(source) -> Optional[Callable[[], bool]]:
-    """batch_ready for `source`, a DataLoader iterator with workers; None for
-    any other source (Ahead then takes its batches ahead as they come)."""
+    """A Ready for `source`, a DataLoader iterator with workers; None for any
+    other source (Ahead then takes its batches ahead as they come)."""
     if all(hasattr(source, name) for name in ("_task_info", "_rcvd_idx", "_data_queue")):
-        return lambda: batch_ready(source)
+        ready = Ready()
+        return lambda: ready(source)
     return None
 
 
@@ -186,4 +222,5 @@ def deliver_from(it, step, depth: int) -> None:
     consumer's next()."""
     it._pin_memory = False  # no pin thread: the batch goes from the worker to `step`
     it._fastpin_ahead = Ahead(step, depth, step.stats)
+    it._fastpin_poll = Ready()
     it.__class__ = delivering(type(it))

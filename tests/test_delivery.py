@@ -409,6 +409,44 @@ class Hang(torch.utils.data.Dataset):
         return torch.full((4,), 7, dtype=torch.int32)
 
 
+class Gated(torch.utils.data.Dataset):
+    """Sample 0 at once; every later one once the file `gate` exists."""
+
+    def __init__(self, gate):
+        self.gate = str(gate)
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        while i > 0 and not os.path.exists(self.gate):
+            time.sleep(0.01)
+        return torch.arange(4, dtype=torch.int32) + 10 * i
+
+
+def wait_until(predicate, seconds=30.0) -> bool:
+    end = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_batch_ready_says_what_has_arrived(tmp_path):
+    it = iter(DataLoader(Gated(tmp_path / "gate"), batch_size=1, num_workers=1))
+    ready = _ahead.Ready()
+    assert wait_until(lambda: ready(it))        # batch 0 came
+    assert next(it).tolist() == [[0, 1, 2, 3]]
+    time.sleep(0.3)
+    assert not ready(it) and not _ahead.batch_ready(it)  # the worker waits at the gate
+    (tmp_path / "gate").touch()
+    assert wait_until(lambda: ready(it))
+    assert next(it).tolist() == [[10, 11, 12, 13]]
+    it._shutdown_workers()                      # its queue closed: next() says why
+    assert ready(it)
+
+
 def test_install_device_hands_over_what_arrived_while_workers_hang(fake_device):
     # Bug: the first next() took `depth` batches beyond the first before it
     # handed that one over, and waited forever on a hung worker.
