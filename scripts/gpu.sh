@@ -184,10 +184,11 @@ if [ "$what" = engine ]; then
         tests/test_install.py tests/test_zero_copy.py tests/test_zero_copy_reuse.py \
         tests/test_zero_copy_sizing.py tests/test_record.py tests/test_shutdown.py \
         tests/test_lifetime.py
-    step timeout 50 python3 -m pytest -q -p no:cacheprovider tests/test_delivery.py
-    step timeout 80 env PYTHONPATH="$PWD" python3 benchmarks/install_threads.py --workers 15 \
+    step timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_delivery.py
+    step timeout 90 env PYTHONPATH="$PWD" python3 benchmarks/install_threads.py --workers 15 \
         --batches 150 --case tokens --case token_windows --case images_f32 --case recsys \
-        --path install_device --path zero_copy_cuda --path install --json "$OUT/engine_cpu.json"
+        --path install_device --path zero_copy_cuda --path install --path torch_floor \
+        --json "$OUT/engine_cpu.json"
     step timeout 110 python3 -m fastpin.bench --case tokens --case images_f32 --case recsys \
         --path pin_memory --path prefetcher --path install --path install_device \
         --path zero_copy --path loader_cuda --workers 15 --max-seconds 2 --no-progress \
