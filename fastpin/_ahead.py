@@ -7,6 +7,7 @@ into a DataLoader iterator (deliver_from), whose _next_data() is then Ahead's.
 from __future__ import annotations
 
 import collections
+import contextvars
 import select
 import threading
 import time
@@ -14,6 +15,32 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     from ._delivery import Stats
+
+
+# True while Ahead prepares a batch beyond the one it is to hand over.
+preparing_ahead: contextvars.ContextVar = contextvars.ContextVar("fastpin_preparing_ahead",
+                                                                 default=False)
+
+
+class NoRoomAhead(Exception):
+    """Raised by a step preparing a batch ahead (preparing_ahead) that would
+    have to wait for room in its arena: the room may be held by the batches
+    prepared before it, which only this same thread would hand over, so the
+    wait could only time out. The batch waits for its turn instead, and
+    `later()` prepares it then (waiting for room as the policy says)."""
+
+    def __init__(self, later: Callable[[], Any]):
+        super().__init__("no room for a batch ahead")
+        self.later = later
+
+
+class _Later:
+    """A batch taken from the source but prepared only in its turn (NoRoomAhead)."""
+
+    __slots__ = ("prepare",)
+
+    def __init__(self, prepare: Callable[[], Any]):
+        self.prepare = prepare
 
 
 class Ahead:
@@ -50,11 +77,16 @@ class Ahead:
         if not self.ended:
             self.fill(pull, ready)
         if self.pending:
-            return self.step.deliver(self.pending.popleft())
+            item = self.pending.popleft()
+            if type(item) is _Later:
+                item = item.prepare()  # its turn: room may wait (an error is raised now)
+            return self.step.deliver(item)
         return self.finish()
 
     def fill(self, pull: Callable[[], Any], ready: Optional[Callable[[], bool]]) -> None:
         pending, prepare = self.pending, self.step.prepare_here
+        if pending and type(pending[-1]) is _Later:
+            return  # the room is short: nothing is taken before it is prepared
         clock = time.perf_counter
         waited = prepared = 0.0
         try:
@@ -75,12 +107,19 @@ class Ahead:
                     self.pulling = False
                     t1 = clock()
                     waited += t1 - t0
+                token = preparing_ahead.set(True) if pending else None
                 try:
                     pending.append(prepare(batch))
+                except NoRoomAhead as later:
+                    # Prepared in its turn; nothing more is taken before it.
+                    pending.append(_Later(later.later))
+                    return
                 except Exception as exc:  # noqa: BLE001 - raised in its turn (finish)
                     self.ended, self.error = True, exc
                     return
                 finally:
+                    if token is not None:
+                        preparing_ahead.reset(token)
                     batch = None  # a zero-copy batch's block is free to go once copied
                     prepared += clock() - t1
         finally:

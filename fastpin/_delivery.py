@@ -35,6 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import _C, _adoption, _leaves
+from ._ahead import NoRoomAhead, preparing_ahead
 from ._arena import as_core_arena, cuda_available, default_arena, policy
 from ._pin import pin_memory
 from ._runtime import cgroup_memory_limit, first, memory_room
@@ -203,6 +204,14 @@ class PinHost(PassThrough):
             return batch  # unpinned: a copy would take what the cgroup does not have
         arena = self.staging.arena()
         stream = self.consumer_stream
+        if preparing_ahead.get():
+            # Ahead of the batch to hand over, in the consumer's own thread: the
+            # room may be held by the batches before this one, which no wait
+            # here would see handed over. It waits for its turn instead.
+            try:
+                return pin_memory(batch, arena=arena, stream=stream, on_full="raise")
+            except _C.ArenaFullError:
+                raise NoRoomAhead(lambda: self.prepare(batch)) from None
         if self.counted or policy()["on_full"] != "fallback":
             return pin_memory(batch, arena=arena, stream=stream)
         try:

@@ -104,6 +104,42 @@ def test_ahead_takes_batches_ahead_only_while_they_are_ready():
         ahead.next(pull, lambda: there[0])
 
 
+class ShortOfRoom(Step):
+    """A step whose arena has room for `room` prepared batches: one ahead that
+    finds none raises NoRoomAhead, as PinHost does under on_full="wait"."""
+
+    def __init__(self, room):
+        super().__init__()
+        self.room = room
+
+    def prepare_here(self, batch):
+        held = sum(1 for kind, _ in self.log if kind == "prepare") - self.handed
+        if held >= self.room:
+            assert _ahead.preparing_ahead.get(), "waited for room only the caller would free"
+            raise _ahead.NoRoomAhead(lambda: super(ShortOfRoom, self).prepare_here(batch))
+        return super().prepare_here(batch)
+
+    handed = 0
+
+    def deliver(self, item):
+        self.handed += 1
+        return super().deliver(item)
+
+
+def test_ahead_batch_without_room_waits_for_its_turn():
+    step = ShortOfRoom(room=1)
+    ahead = _ahead.Ahead(step, 2)
+    pull = source(range(5))
+    assert ahead.next(pull) == 0
+    # 1 was taken but found no room: kept unprepared, and nothing after it taken.
+    assert len(ahead.pending) == 1 and step.log[-1] == ("deliver", 0)
+    assert [ahead.next(pull) for _ in range(4)] == [1, 2, 3, 4]
+    with pytest.raises(StopIteration):
+        ahead.next(pull)
+    prepared = [b for kind, b in step.log if kind == "prepare"]
+    assert prepared == [0, 1, 2, 3, 4]
+
+
 def test_ahead_source_errors_come_in_their_turn():
     step = Step()
     ahead = _ahead.Ahead(step, 2)
@@ -445,6 +481,51 @@ def test_batch_ready_says_what_has_arrived(tmp_path):
     assert next(it).tolist() == [[10, 11, 12, 13]]
     it._shutdown_workers()                      # its queue closed: next() says why
     assert ready(it)
+
+
+@pytest.fixture
+def one_batch_default_arena():
+    """The default arena with room for about one batch, waiting for room."""
+    from fastpin import _arena
+
+    saved = (_arena.get_capacity(), _arena.policy())
+    fastpin.configure(capacity=4 * 64 * 1024 + 64 * 1024, on_full="wait", wait_timeout=5)
+    yield
+    capacity, policy = saved
+    fastpin.configure(capacity="auto" if capacity is None else capacity, on_full=policy["on_full"],
+                      wait_timeout=policy["wait_timeout"])
+
+
+class Bytes(torch.utils.data.Dataset):
+    """Sample i: 64 KB that depend on i and on each byte's position."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return ((torch.arange(64 * 1024) * 7 + i * 131 + 3) % 251).to(torch.uint8)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_loader_reading_ahead_never_waits_for_room_it_holds(depth, one_batch_default_arena):
+    # Bug: with room for one batch and on_full="wait", the consumer's own
+    # next() pinned the batch ahead while the one to hand over held the room,
+    # waited for it (wait_timeout) and raised ArenaFullError: only that same
+    # thread could have freed it. The batch ahead now waits for its turn.
+    dl = DataLoader(Bytes(), batch_size=4, num_workers=1)
+    it = iter(fastpin.Loader(dl, device=None, depth=depth, zero_copy=False))
+    seen = 0
+    t0 = time.monotonic()
+    while True:
+        try:
+            x = next(it)
+        except StopIteration:
+            break
+        want = torch.stack([Bytes()[i] for i in range(4 * seen, 4 * seen + 4)])
+        assert torch.equal(x, want) and x.is_pinned() == torch.cuda.is_available()
+        seen += 1
+        del x  # the room is free again for the next batch
+    assert seen == 6 and time.monotonic() - t0 < 5
 
 
 def test_install_device_hands_over_what_arrived_while_workers_hang(fake_device):
