@@ -246,3 +246,27 @@ def run_threads(target, n: int, timeout: float = 300) -> None:
         th.join(timeout=timeout)
     assert not any(th.is_alive() for th in threads), "a thread hung"
     assert not errors, errors[0]
+
+
+def workers_gone(workers, timeout: float = 10.0) -> bool:
+    """Whether DataLoader worker processes `workers` are gone within `timeout`:
+    a worker that did not leave when told is terminated (SIGTERM) by the
+    iterator's shutdown, which does not wait for it to die."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    for w in workers:
+        w.join(max(0.0, deadline - time.monotonic()))
+    return not any(w.is_alive() for w in workers)
+
+
+def children_gone(timeout: float = 10.0) -> list:
+    """This process's multiprocessing children still alive after `timeout`
+    (active_children() also reaps those that died)."""
+    import multiprocessing
+    import time
+
+    deadline = time.monotonic() + timeout
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return multiprocessing.active_children()

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, default_collate
 
 import fastpin
 from fastpin import _ahead, _delivery, _install
-from conftest import assert_same
+from conftest import assert_same, workers_gone
 from test_install import (
     FORK_WARNING, NO_ACCELERATOR, BATCH, Named, PatternDataset, assert_batch, collate_pair,
     expected_batches, in_shared_arena, seeded, stock_epochs, tensor_leaves,
@@ -536,7 +536,7 @@ def test_install_device_hands_over_what_arrived_while_workers_hang(fake_device):
     assert next(it).tolist() == [[7, 7, 7, 7]]
     workers = list(it._workers)
     del it
-    assert all(not w.is_alive() for w in workers)
+    assert workers_gone(workers)
 
 
 def test_install_device_break_leaks_nothing(fake_device, nothing_left_behind):
@@ -548,7 +548,7 @@ def test_install_device_break_leaks_nothing(fake_device, nothing_left_behind):
         workers = list(it._workers)
         del it  # no cycle: gone at once, its workers shut down, its batches dropped
         assert step() is None
-        assert all(not w.is_alive() for w in workers)
+        assert workers_gone(workers)
     for _ in dl:
         break
     gc.collect()

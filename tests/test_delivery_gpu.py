@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, default_collate
 
 import fastpin
 from fastpin import _ahead
-from conftest import assert_same, sleep_cycles
+from conftest import assert_same, sleep_cycles, workers_gone
 from test_install import (
     FORK_WARNING, BATCH, Named, PatternDataset, collate_pair, expected_batches, seeded,
     stock_epochs,
@@ -33,6 +33,21 @@ from test_zero_copy_reuse import nothing_left_behind  # noqa: F401 - a fixture
 gpu_here = fastpin.cuda_available() and torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings(FORK_WARNING),
               pytest.mark.skipif(not gpu_here, reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def cuda_ready():
+    """The driver's own descriptors (device files, its pipe and eventfds) and
+    contexts opened before any test counts what it leaves behind."""
+    if gpu_here:
+        torch.cuda.init()
+        x = fastpin.pin_memory(torch.arange(1024, dtype=torch.int32))
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            y = x.to("cuda", non_blocking=True)
+        torch.cuda.Event(blocking=True).record(stream)
+        stream.synchronize()
+        del x, y
 
 
 def on_gpu(batch):
@@ -253,13 +268,15 @@ def test_device_memory_returned(end, nothing_left_behind):
         assert torch.cuda.memory_allocated() - baseline <= 4 * (batch_bytes + (2 << 20))
         del x, index
         if end == "stop":
-            for _ in it:
+            for last in it:
                 pass
+            del last  # the loop's name holds the last batch
         elif end == "del":
             del it
         elif end == "break":
-            for _ in it:
+            for last in it:
                 break
+            del last
             it = None
             gc.collect()
         else:
@@ -308,7 +325,7 @@ def test_ctrl_c_while_waiting():
                 next(it)
         workers = list(it._workers)
         del it
-        assert all(not w.is_alive() for w in workers)
+        assert workers_gone(workers)
         assert settled_memory(baseline)
     finally:
         fastpin.uninstall()

@@ -10,7 +10,6 @@ before it kills it; the in-process tests shorten that to 1 s for both loaders.
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -28,7 +27,7 @@ from torch.utils.data import _utils as dl_utils
 import fastpin
 from fastpin import _C
 
-from conftest import patterned
+from conftest import children_gone, patterned
 
 MARGIN = 1.0  # seconds a fastpin exit may take beyond the plain DataLoader's (a shared, slow machine)
 SLOW = 0.4    # seconds per sample of the slow source
@@ -73,7 +72,7 @@ def short_worker_joins(monkeypatch):
     signal.signal(signal.SIGINT, old)
     # Nothing of the test may outlive it.
     assert not wait_gone(), "a fastpin-loader thread outlived the test"
-    assert not multiprocessing.active_children(), "a DataLoader worker outlived the test"
+    assert not children_gone(), "a DataLoader worker outlived the test"
 
 
 def loader_threads():

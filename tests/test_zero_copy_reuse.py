@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 import fastpin
 from fastpin import _zerocopy
 
-from conftest import assert_same, patterned
+from conftest import assert_same, patterned, process_state
 
 MB = 1 << 20
 N, BATCH = 26, 4                    # an uneven last batch
@@ -88,7 +88,18 @@ def nothing_left_behind():
         time.sleep(0.1)
     details = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in left[0]
                if os.path.exists(f"/proc/self/fd/{fd}")}
-    pytest.fail(f"left behind: fds {details}, arenas {left[1]}")
+    pytest.fail(f"left behind: fds {details}, arenas {left[1]}; {unjoined_children()}")
+
+
+def unjoined_children() -> str:
+    """multiprocessing's children not joined yet (their Popen keeps a pipe or
+    two open until then): a worker that did not leave when told was
+    terminated and never joined. Read without reaping them."""
+    from multiprocessing import process
+
+    rows = [f"{p.name} pid {p.pid} state {process_state(p.pid)} sentinel {p.sentinel}"
+            for p in list(process._children)]
+    return "children not joined: " + (", ".join(rows) or "none")
 
 
 @pytest.mark.parametrize("persistent", [False, True])
