@@ -89,7 +89,21 @@ def child(path: str, dtype: str, workers: int, steps: int, warmup: int) -> dict:
     return out
 
 
-def _resident(dataset, batch: int, n: int) -> list:
+class _Resident:
+    """An iterable of batches, not a list: Lightning takes a list (or tuple) that
+    train_dataloader() returns as several dataloaders, one per element."""
+
+    def __init__(self, batches: list):
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def _resident(dataset, batch: int, n: int) -> _Resident:
     """The upper bound's data: four distinct batches made once on the GPU, handed
     out n times (references, no copies)."""
     import torch
@@ -100,7 +114,7 @@ def _resident(dataset, batch: int, n: int) -> list:
         x = torch.stack([s[0] for s in samples]).cuda()
         y = torch.stack([torch.as_tensor(s[1]) for s in samples]).cuda()
         batches.append((x, y))
-    return [batches[i % 4] for i in range(n)]
+    return _Resident([batches[i % 4] for i in range(n)])
 
 
 def main() -> int:

@@ -103,7 +103,7 @@ class GrowingArena:
             return segments[0].pin(sources, *align)
         except _C.ArenaFullError:
             # Each source's padding to the alignment at most a granule (the default).
-            need = sum(n for _, n in sources) + len(sources) * max(_C.GRANULE, *align)
+            need = sum(n for _, n in sources) + len(sources) * max((_C.GRANULE, *align))
             return self._place(segments[0], _C.Arena.pin, (sources, *align), need)
 
     def alloc(self, nbytes: int) -> _C.Block:

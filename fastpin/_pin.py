@@ -22,9 +22,15 @@ log = logging.getLogger("fastpin")
 
 # A batch of plain torch tensors whose bytes in all lie in [lo, hi] is copied by
 # torch's own Tensor.copy_ into views of a reserved block: torch's intra-op
-# threads, which stay hot between calls, with the GIL released. None: never
-# (the copy pool copies every batch).
-_torch_copy: Optional[tuple] = None
+# threads, which stay hot between calls, with the GIL released; only where the
+# calling thread has more than one of them (the DataLoader's pin thread has
+# one, and there the pool is faster at every size). None: never (the copy pool
+# copies every batch). 1-16 MiB: on the H100 machine (16 CPUs,
+# benchmarks/pin_cutover.py --recommend, 2026-12-06) torch's copy_ there took
+# 1.4-6.9x the pool's GB/s at 1, 2, 4, 8 and 16 MiB, cache-hot and cold, and
+# less at 64-256 KiB (0.3-0.55x hot) and from 64 MiB (0.37-0.70x, but for
+# 1.04x at 64 MiB cold).
+_torch_copy: Optional[tuple] = (1 << 20, 16 << 20)
 
 # The copy pool's knobs (_C.set_copy_tuning's keywords, and spin and streaming).
 _POOL_SIZES = ("inline_max", "inline_spin", "stream_min", "chunk_min", "chunk_max",
@@ -41,7 +47,8 @@ def tune_copy(**knobs) -> dict:
     inline_max (up to this the calling thread copies alone, shared only with
     spinning threads above inline_spin), chunk_min / chunk_max / chunk_min_spin
     (the pieces the pool's threads take), torch_copy ((lo, hi): batches of plain
-    torch tensors of lo to hi bytes go through torch's copy_; None: none do)."""
+    torch tensors of lo to hi bytes go through torch's copy_ where the calling
+    thread has more than one torch thread; None: none do)."""
     global _torch_copy
     unknown = set(knobs) - set(COPY_KEYS)
     if unknown:
@@ -191,7 +198,9 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
                on_full: Optional[str] = None) -> Any:
     """Return `data` with every tensor and NumPy array leaf copied into page-locked
     memory, in one block of fastpin's arena, by its copy threads with the GIL
-    released. The structure comes back as it went in (see _walk.map_leaves); torch
+    released (a batch of 1-16 MiB of plain tensors, where the calling thread has
+    more than one torch thread, by torch's own copy_ on those threads: faster
+    there). The structure comes back as it went in (see _walk.map_leaves); torch
     tensors stay torch tensors and arrays stay arrays, subclasses and autograd as
     torch.Tensor.pin_memory() gives them back (what fastpin cannot place in a block,
     such as masked arrays, memmaps, sparse, nested and quantized tensors, goes the
@@ -289,9 +298,12 @@ def _pin_by_torch(data, arena, cuda: bool) -> Any:
     span, leaves = _torch_copy, _torch_leaves(data)
     if span is None or leaves is None:
         return None
+    strided = sys.modules["torch"].strided
+    if any(t.layout is not strided or t.is_nested for t in leaves):
+        return None  # sparse, nested...: no nbytes to size them by; the pipeline takes them
     total = sum(t.nbytes for t in leaves)
-    if not span[0] <= total <= span[1]:
-        return None
+    if not span[0] <= total <= span[1] or sys.modules["torch"].get_num_threads() < 2:
+        return None  # its size, or torch would copy on this thread alone
     for t in leaves:
         if (not t.is_cpu or t.requires_grad or not t.is_contiguous() or t.is_conj()
                 or t.is_neg() or t.numel() == 0 or torch_carrier(t.dtype) is None

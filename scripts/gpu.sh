@@ -37,16 +37,13 @@
 #                                tests plain, under ASan+UBSan and under TSan, and
 #                                tests/test_copier_spin.py; neither: both (over the device
 #                                tool's 600 s at worst: one call each)
-#   bash scripts/gpu.sh engine       build, then (about 9 minutes): the GPU tests of the
+#   bash scripts/gpu.sh engine       build, then (about 7 minutes): the GPU tests of the
 #                                delivery engine (install(device=...), Loader(device),
 #                                stream safety, zero-copy); main-process CPU per batch
-#                                by thread for Loader(device) and install(device) on
-#                                tokens, token windows, float32 images and recsys
-#                                (benchmarks/install_threads.py); the workload table
-#                                of tokens, images_f32 and recsys through pin_memory,
-#                                the timm prefetcher, install, install_device,
-#                                zero_copy and loader_cuda at 15 workers; the training
-#                                table of the same paths where bench_train takes them
+#                                by thread for Loader(device), install(device) and
+#                                install() on tokens, token windows, float32 images
+#                                and recsys, with torch's own per-batch floor
+#                                (benchmarks/install_threads.py)
 #   bash scripts/gpu.sh trainers     build, then Lightning's Trainer (resnet18) and HF's Trainer
 #                                (GPT-2 from a config) through stock, install() and
 #                                install(device="cuda"), Lightning also through Loader(device)
@@ -179,27 +176,18 @@ if [ "$what" = pin ]; then
     fi
 fi
 if [ "$what" = engine ]; then
-    step timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_delivery_gpu.py \
-        tests/test_stream_safety.py tests/test_loader.py tests/test_loader_stats.py \
-        tests/test_install.py tests/test_zero_copy.py tests/test_zero_copy_reuse.py \
-        tests/test_zero_copy_sizing.py tests/test_record.py tests/test_shutdown.py \
-        tests/test_lifetime.py
-    step timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_delivery.py
+    # The workload table and the training table of the same paths are the
+    # default bench run's (`bash scripts/gpu.sh bench`): not repeated here.
+    step timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short \
+        tests/test_delivery_gpu.py tests/test_stream_safety.py tests/test_loader.py \
+        tests/test_loader_stats.py tests/test_install.py tests/test_zero_copy.py \
+        tests/test_zero_copy_reuse.py tests/test_zero_copy_sizing.py tests/test_record.py \
+        tests/test_shutdown.py tests/test_lifetime.py
+    step timeout 60 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_delivery.py
     step timeout 90 env PYTHONPATH="$PWD" python3 benchmarks/install_threads.py --workers 15 \
         --batches 150 --case tokens --case token_windows --case images_f32 --case recsys \
         --path install_device --path zero_copy_cuda --path install --path torch_floor \
         --json "$OUT/engine_cpu.json"
-    step timeout 110 python3 -m fastpin.bench --case tokens --case images_f32 --case recsys \
-        --path pin_memory --path prefetcher --path install --path install_device \
-        --path zero_copy --path loader_cuda --workers 15 --max-seconds 2 --no-progress \
-        --json "$OUT/engine_bench.json"
-    train_paths="--path pin_memory --path install --path zero_copy"
-    if python3 -m fastpin.bench_train --help 2>/dev/null | grep -q install_device; then
-        train_paths="$train_paths --path install_device"
-    else
-        echo "(bench_train does not take install_device: its table without it)"
-    fi
-    step timeout 110 python3 -m fastpin.bench_train --workers 15 --steps 30 $train_paths
 fi
 if [ "$what" = trainers ]; then
     # Lightning's Trainer on resnet18 (float32 images, 15 workers) through stock,

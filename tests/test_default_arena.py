@@ -96,6 +96,17 @@ def test_grows_by_segments_as_the_live_batches_need(self_sizing, caplog):
     assert s["capacity"] == arena.capacity and s["bytes_in_use"] >= 37 * MiB
 
 
+def test_growing_arena_reserves_past_its_first_segment(self_sizing):
+    # Bug: pin(sources) with no alignment given (torch's copy_ path reserves
+    # its block so) raised TypeError once the first segment was full.
+    self_sizing(2 * MiB, 32 * MiB)
+    arena = fastpin.default_arena()
+    held = [arena.pin([(0, 1536 * 1024)]) for _ in range(3)]  # more than one segment holds
+    assert len(arena.segments) > 1
+    for block, offsets in held:
+        assert tuple(offsets) == (0,) and block.nbytes >= 1536 * 1024
+
+
 def test_growth_under_concurrent_pins_never_past_its_cap(self_sizing):
     cap = 96 * MiB
     self_sizing(2 * MiB, cap)

@@ -750,7 +750,10 @@ def torch_copy(monkeypatch):
         return out
 
     monkeypatch.setattr(_pin, "_pin_by_torch", spy)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))  # torch's copy_ is taken only with 2 or more
     yield tc
+    torch.set_num_threads(threads)
     _pin.tune_copy(**{k: before[k] for k in _pin.COPY_KEYS})
 
 
@@ -803,6 +806,30 @@ def test_torch_copy_only_in_its_range(arena, torch_copy):
         x = patterned((nbytes,), torch.uint8, nbytes)
         assert_same(fastpin.pin_memory(x, arena=arena), x)
         assert torch_copy.taken[-1] is taken, nbytes
+
+
+def test_torch_copy_by_default_for_1_to_16_mib(arena, torch_copy):
+    # Chosen on the H100 machine (benchmarks/pin_cutover.py --recommend).
+    assert _pin.copy_tuning()["torch_copy"] == (1 << 20, 16 << 20)
+    for nbytes, taken in [(512 << 10, False), (1 << 20, True), (16 << 20, True),
+                          (32 << 20, False)]:
+        x = patterned((nbytes,), torch.uint8, nbytes)
+        assert_same(fastpin.pin_memory(x, arena=arena), x)
+        assert torch_copy.taken[-1] is taken, nbytes
+
+
+def test_torch_copy_not_where_torch_has_one_thread(arena, torch_copy):
+    # The DataLoader's pin thread sets one torch thread: there torch's copy_
+    # is one thread's memcpy, and the pool is faster.
+    torch_copy(0, 1 << 40)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = patterned((2 << 20,), torch.uint8, 3)
+        assert_same(fastpin.pin_memory(x, arena=arena), x)
+        assert torch_copy.taken[-1] is False
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_torch_copy_leaves_what_it_cannot_take_to_the_pipeline(arena, torch_copy):

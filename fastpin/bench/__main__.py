@@ -181,9 +181,9 @@ def _cases(args: argparse.Namespace, gpu: bool) -> list:
 
 def _paths(args: argparse.Namespace, target, host_reason: str) -> list:
     """The workload cases' paths: those --path names, else those that can run here:
-    on the host every one; delivering to a GPU the stock path, pageable and the
-    summary's (fastpin's host-pinning paths, fastpin_pin and loader_host, when
-    named: a default run fits in a few minutes); --quick: the stock path and the
+    on the host every one; delivering to a GPU the stock path and the summary's
+    (pageable and fastpin's host-pinning paths, fastpin_pin and loader_host, when
+    named: a default run fits in four minutes); --quick: the stock path and the
     summary's. A named path that cannot run is left out of the tables, and the
     report says why."""
     if args.path:
@@ -193,7 +193,7 @@ def _paths(args: argparse.Namespace, target, host_reason: str) -> list:
     def wanted(p: str) -> bool:
         if p == stock or PATHS[p].in_summary:
             return True
-        return not args.quick and (target is None or p == "pageable")
+        return not args.quick and target is None
 
     return [p for p in PATHS if why_not(p, target, host_reason) is None and wanted(p)]
 
