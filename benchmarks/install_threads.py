@@ -21,7 +21,6 @@ arena's capacity, high water and the workers' fallbacks.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import time
 
@@ -29,7 +28,7 @@ import torch
 
 import fastpin
 from fastpin.bench import workloads
-from fastpin.bench.procfs import threads
+from fastpin.bench.procfs import cpu_ns_by_name, threads
 
 
 def tensors(batch) -> list:
@@ -39,14 +38,6 @@ def tensors(batch) -> list:
     if isinstance(batch, (list, tuple)):
         return [t for x in batch for t in tensors(x)]
     return [batch] if isinstance(batch, torch.Tensor) else []
-
-
-def cpu_by_name(before: dict, after: dict) -> dict:
-    out: collections.Counter = collections.Counter()
-    for tid, t in after.items():
-        start = before[tid].run_ns if tid in before else 0
-        out[t.name] += (t.run_ns - start) / 1e6
-    return dict(out)
 
 
 class Indices(torch.utils.data.Dataset):
@@ -132,12 +123,12 @@ def run(path: str, case: str, workers: int, batches: int) -> dict:
     del it, source
     if path in ("install", "install_device"):
         fastpin.uninstall()
-    by_name = {n: round(ms / batches, 3) for n, ms in sorted(cpu_by_name(before, after).items())
-               if ms / batches >= 0.005}
+    ms = {n: ns / 1e6 for n, ns in cpu_ns_by_name(before, after).items()}
+    by_name = {n: round(v / batches, 3) for n, v in sorted(ms.items()) if v / batches >= 0.005}
     return {"path": path, "case": case, "workers": workers, "batches": batches,
             "leaves": nleaves, "budget_ms_per_batch": round((50 + 3 * nleaves) / 1e3, 3),
             "ms_per_batch": round((t1 - t0) * 1e3 / batches, 3),
-            "cpu_ms_per_batch": round(sum(cpu_by_name(before, after).values()) / batches, 3),
+            "cpu_ms_per_batch": round(sum(ms.values()) / batches, 3),
             "to_cpu_ms_per_batch": round(to_s * 1e3 / batches, 3), "is_pinned": pinned,
             "threads_ms_per_batch": by_name,
             "pool": {k: stats.get(k) for k in stats if k in ("capacity", "high_water", "fallbacks",

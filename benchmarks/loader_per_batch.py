@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import json
 import time
@@ -37,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 import fastpin
 from fastpin import _delivery
 from fastpin.bench import workloads
-from fastpin.bench.procfs import threads
+from fastpin.bench.procfs import cpu_ns_by_name, threads
 
 
 class Small(Dataset):
@@ -164,14 +163,6 @@ def leaves_of(batch) -> int:
     return isinstance(batch, (torch.Tensor, np.ndarray))
 
 
-def cpu_by_name(before: dict, after: dict) -> dict:
-    out: collections.Counter = collections.Counter()
-    for tid, t in after.items():
-        start = before[tid].run_ns if tid in before else 0
-        out[t.name] += (t.run_ns - start) / 1e3
-    return dict(out)
-
-
 def part_zero_copy(cases: list, workers: int, batches: int, copy_ms: float) -> list:
     rows = []
     for case in cases:
@@ -212,7 +203,7 @@ def measure(loader, case: str, mode: str, batches: int, workers: int, copy_ms: f
             t1, after = time.perf_counter(), threads()
             break
     del it
-    by = cpu_by_name(before, after)
+    by = {n: ns / 1e3 for n, ns in cpu_ns_by_name(before, after).items()}
     total = sum(by.values()) / batches
     sleeping = copy_ms * 1e3  # the loop's sleep is not CPU
     return {"case": case, "mode": mode, "workers": workers, "leaves": nleaves,

@@ -4,7 +4,9 @@ names its threads where the kernel sees them), and the DataLoader's workers
 apart."""
 from __future__ import annotations
 
+import collections
 import os
+import threading
 from typing import NamedTuple, Optional
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -20,7 +22,15 @@ class Thread(NamedTuple):
 
 def threads() -> dict:
     """{tid: Thread} for every thread of this process now; a thread that ends
-    while it is read is left out."""
+    while it is read is left out. A Python thread the kernel knows only by the
+    process's name (Python sets no thread names) is named as threading names
+    it: MainThread, QueueFeederThread (a multiprocessing queue's), Thread-3..."""
+    try:
+        with open("/proc/self/comm") as f:
+            comm = f.read().strip()
+    except OSError:
+        comm = None
+    python = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     out = {}
     for tid in os.listdir("/proc/self/task"):
         base = f"/proc/self/task/{tid}"
@@ -31,12 +41,25 @@ def threads() -> dict:
                 run = f.read().split()
             # fields[0] is stat's field 3 (state): minflt is field 10, utime 14, stime 15.
             fields = stat[stat.rindex(")") + 2:].split()
-            out[int(tid)] = Thread(stat[stat.index("(") + 1:stat.rindex(")")], int(run[0]),
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            if name == comm:
+                name = python.get(int(tid), name)
+            out[int(tid)] = Thread(name, int(run[0]),
                                    (int(fields[11]) + int(fields[12])) / _TICK, int(fields[7]),
                                    int(run[2]))
         except (OSError, ValueError, IndexError):
             continue  # ended while read: its files empty or gone
     return out
+
+
+def cpu_ns_by_name(before: dict, after: dict) -> dict:
+    """{name: CPU nanoseconds} of this process's threads between two threads()
+    reads (a thread that started in between counted from zero; one that ended
+    is not counted)."""
+    out: collections.Counter = collections.Counter()
+    for tid, t in after.items():
+        out[t.name] += t.run_ns - (before[tid].run_ns if tid in before else 0)
+    return dict(out)
 
 
 def children_cpu(since: Optional[dict] = None):
