@@ -44,6 +44,10 @@
 #                                install() on tokens, token windows, float32 images
 #                                and recsys, with torch's own per-batch floor
 #                                (benchmarks/install_threads.py)
+#   bash scripts/gpu.sh spy [CASES]  build, then py-spy over install_threads.py's install(device)
+#                                path, one case a run (default images_f32 tokens), and
+#                                where the samples go (scripts/spy_top.py); needs
+#                                .tools/py-spy carried (about 2 minutes a case)
 #   bash scripts/gpu.sh trainers     build, then Lightning's Trainer (resnet18) and HF's Trainer
 #                                (GPT-2 from a config) through stock, install() and
 #                                install(device="cuda"), Lightning also through Loader(device)
@@ -198,6 +202,20 @@ if [ "$what" = trainers ]; then
         --steps 40 --warmup 8 --timeout 80 --json "$OUT/lightning.json"
     step timeout 200 env PYTHONPATH="$PWD" python3 benchmarks/hf_install.py --workers 8 --steps 40 --warmup 8 \
         --timeout 80 --json "$OUT/hf.json"
+fi
+if [ "$what" = spy ]; then
+    # Where install(device)'s main-process CPU per batch goes: py-spy (a static
+    # binary: copy it to .tools/py-spy here and name .tools in the call's carry)
+    # over benchmarks/install_threads.py, one case a run (default images_f32
+    # tokens), every thread, idle excluded; then scripts/spy_top.py on the
+    # stacks of the timed loop and on every stack.
+    for case in ${@:-images_f32 tokens}; do
+        step timeout 150 .tools/py-spy record -r 2000 --threads -f raw -o "$OUT/spy_$case.txt" -- \
+            env PYTHONPATH="$PWD" python3 benchmarks/install_threads.py --workers 15 \
+            --batches 600 --case "$case" --path install_device
+        step timeout 30 python3 scripts/spy_top.py "$OUT/spy_$case.txt" --within "run (install_threads.py"
+        step timeout 30 python3 scripts/spy_top.py "$OUT/spy_$case.txt" --top 25
+    done
 fi
 if [ "$what" = profile ]; then
     step env PYTHONPATH="$PWD" python3 benchmarks/profile_zero_copy.py "$@"
