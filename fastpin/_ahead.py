@@ -77,9 +77,16 @@ class Ahead:
         if not self.ended:
             self.fill(pull, ready)
         if self.pending:
-            item = self.pending.popleft()
+            item = self.pending[0]
             if type(item) is _Later:
-                item = item.prepare()  # its turn: room may wait (an error is raised now)
+                try:
+                    prepared = item.prepare()  # its turn: room may wait
+                except Exception:
+                    self.pending.popleft()  # its error in its turn, as fill's are
+                    raise
+                # Ctrl-C while it waits: it stays first, to be prepared next time.
+                item = self.pending[0] = prepared
+            self.pending.popleft()
             return self.step.deliver(item)
         return self.finish()
 

@@ -140,6 +140,25 @@ def test_ahead_batch_without_room_waits_for_its_turn():
     assert prepared == [0, 1, 2, 3, 4]
 
 
+def test_ahead_ctrl_c_while_a_batch_waits_for_room_keeps_it():
+    step = ShortOfRoom(room=1)
+    ahead = _ahead.Ahead(step, 1)
+    pull = source(range(3))
+    assert ahead.next(pull) == 0          # 1 is kept, unprepared
+    later, tries = ahead.pending[0].prepare, []
+
+    def interrupted_once():               # Ctrl-C while it waits for room
+        tries.append(1)
+        if len(tries) == 1:
+            raise KeyboardInterrupt
+        return later()
+
+    ahead.pending[0].prepare = interrupted_once
+    with pytest.raises(KeyboardInterrupt):
+        ahead.next(pull)
+    assert [ahead.next(pull) for _ in range(2)] == [1, 2]
+
+
 def test_ahead_source_errors_come_in_their_turn():
     step = Step()
     ahead = _ahead.Ahead(step, 2)
