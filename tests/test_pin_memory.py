@@ -866,6 +866,26 @@ def test_torch_copy_full_arena_keeps_the_policy(small_arena, torch_copy):
     assert not any(torch_copy.taken)
 
 
+def test_default_cut_overs_from_many_threads(torch_copy):
+    """Batches at both ends of the default torch_copy range (1 and 16 MiB, a
+    byte either side) from 4 threads at once into the default arena, each
+    checked, with the defaults as they are (CI runs this under ASan too)."""
+    lo, hi = _pin.copy_tuning()["torch_copy"]
+    sizes = [n + d for n in (lo, hi) for d in (-1, 0, 1)]
+
+    def pinner(t: int) -> None:
+        for i in range(6):
+            nbytes = sizes[(i + t) % len(sizes)] - 64
+            x = patterned((nbytes,), torch.uint8, (t << 16) + i)
+            batch = [x, patterned((8,), torch.int64, (t << 16) + i + 1)]
+            out = fastpin.pin_memory(batch, on_full="wait")
+            assert_same(out[0], batch[0])
+            assert_same(out[1], batch[1])
+
+    run_threads(pinner, 4)
+    assert True in torch_copy.taken and False in torch_copy.taken
+
+
 def test_torch_copy_from_many_threads(arena, torch_copy):
     """Batches around both ends of the range from 6 threads at once, each
     checked, while the pool takes the rest."""
