@@ -270,3 +270,39 @@ def children_gone(timeout: float = 10.0) -> list:
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.05)
     return multiprocessing.active_children()
+
+
+# Appended to a script by exits_of_forked_runs: each child runs `{run}()`, then
+# falls off the end of the script, as a script ends.
+_FORKED_RUNS = """
+codes = []
+for run in range(int(sys.argv[1])):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.fork() == 0:
+        {run}()
+        break  # and on to the end of the script: the interpreter exits
+    codes.append(os.waitstatus_to_exitcode(os.wait()[1]))
+else:
+    print("CODES", *codes)
+"""
+
+
+def exits_of_forked_runs(script: str, run: str, runs: int, timeout: float = 550) -> tuple:
+    """Run `script` (which imports os and sys and defines the function named
+    `run`) in a fresh interpreter that finds this fastpin, and fork `runs`
+    children from it, each calling run() and then exiting as a script does:
+    torch is imported once, so many runs are affordable. (The children's exit
+    codes as strings, the interpreter's stderr's end.)"""
+    import subprocess
+    import sys
+    import tempfile
+
+    home = os.path.dirname(os.path.dirname(os.path.abspath(fastpin.__file__)))
+    env = dict(os.environ, PYTHONPATH=home + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", script + _FORKED_RUNS.format(run=run), str(runs)],
+                          cwd=tempfile.gettempdir(), env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    codes = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("CODES")]
+    assert proc.returncode == 0 and codes, proc.stderr[-4000:]
+    return codes[0], proc.stderr[-4000:]

@@ -13,16 +13,10 @@ next(iter(fastpin.Loader(DataLoader(ds, batch_size=4), device=None))).
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
-
 import pytest
 
-import fastpin
+from conftest import exits_of_forked_runs
 
-FASTPIN_HOME = os.path.dirname(os.path.dirname(os.path.abspath(fastpin.__file__)))
 RUNS = 50
 
 # The dataset does real torch work per sample (matrix products that release
@@ -43,27 +37,15 @@ class Work(Dataset):
             x = torch.tanh(x @ x.T / 128)
         return x
 
-codes = []
-for run in range(int(sys.argv[1])):
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if os.fork() == 0:
-        torch.set_num_threads(1)
-        next(iter(fastpin.Loader(DataLoader(Work(), batch_size=4), device=None)))
-        break  # and on to the end of the script: the interpreter exits
-    codes.append(os.waitstatus_to_exitcode(os.wait()[1]))
-else:
-    print("CODES", *codes)
+def last_line():
+    torch.set_num_threads(1)
+    next(iter(fastpin.Loader(DataLoader(Work(), batch_size=4), device=None)))
 """
 
 
 @pytest.mark.timeout(600)
 def test_exit_with_the_producer_inside_an_in_process_source_never_aborts():
-    env = dict(os.environ, PYTHONPATH=FASTPIN_HOME + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(RUNS)], cwd=tempfile.gettempdir(),
-                          env=env, capture_output=True, text=True, timeout=550)
-    codes = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("CODES")]
-    assert proc.returncode == 0 and codes, proc.stderr[-4000:]
-    aborted = sum(code != "0" for code in codes[0])
-    assert codes[0] == ["0"] * RUNS, (f"{aborted} of {RUNS} runs ended badly: exit codes "
-                                      f"{' '.join(codes[0])}\n{proc.stderr[-4000:]}")
+    codes, stderr = exits_of_forked_runs(SCRIPT, "last_line", RUNS)
+    aborted = sum(code != "0" for code in codes)
+    assert codes == ["0"] * RUNS, (f"{aborted} of {RUNS} runs ended badly: exit codes "
+                                   f"{' '.join(codes)}\n{stderr}")

@@ -27,7 +27,7 @@ from torch.utils.data import _utils as dl_utils
 import fastpin
 from fastpin import _C
 
-from conftest import children_gone, patterned
+from conftest import children_gone, exits_of_forked_runs, patterned
 
 MARGIN = 1.0  # seconds a fastpin exit may take beyond the plain DataLoader's (a shared, slow machine)
 SLOW = 0.4    # seconds per sample of the slow source
@@ -418,27 +418,13 @@ def mid_epoch():
         x = next(it)["x"].reshape(-1)  # the first sample, or the first two
         assert torch.equal(x, torch.arange(x.numel(), dtype=torch.float32)), k
 
-codes = []
-for run in range(int(sys.argv[1])):
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if os.fork() == 0:
-        mid_epoch()
-        break  # and on to the end of the script: the interpreter exits
-    codes.append(os.waitstatus_to_exitcode(os.wait()[1]))
-else:
-    print("CODES", *codes)
 """
 
 
 @pytest.mark.timeout(600)
 def test_exit_while_loaders_are_mid_epoch_never_aborts():
-    env = dict(os.environ, PYTHONPATH=FASTPIN_HOME + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", MID_EPOCH_SCRIPT, "50"], cwd=tempfile.gettempdir(),
-                          env=env, capture_output=True, text=True, timeout=550)
-    codes = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("CODES")]
-    assert proc.returncode == 0 and codes, proc.stderr[-4000:]
-    assert codes[0] == ["0"] * 50, f"exit codes {' '.join(codes[0])}\n{proc.stderr[-4000:]}"
+    codes, stderr = exits_of_forked_runs(MID_EPOCH_SCRIPT, "mid_epoch", 50)
+    assert codes == ["0"] * 50, f"exit codes {' '.join(codes)}\n{stderr}"
 
 
 # ---- several consumer threads on one epoch --------------------------------------------

@@ -516,15 +516,9 @@ static void test_spin_sizes(int threads, uint64_t seed)
     fp_copier_destroy(c);
 }
 
-typedef struct spin_caller_s {
-    fp_copier_t *copier; /* shared by all callers */
-    int id;              /* which caller */
-    int iterations;      /* runs to make */
-} spin_caller_t;
-
 static void *spin_caller_main(void *arg)
 {
-    spin_caller_t *t = arg;
+    caller_t *t = arg;
     for (int it = 0; it < t->iterations; it++) {
         size_t sizes[3] = {spin_sizes[(size_t)(it * 5 + t->id) % NSPIN_SIZES],
                            (size_t)(it % 3) * 100, 0};
@@ -566,12 +560,12 @@ static void test_spin_concurrent(int threads, int callers, int iterations, int t
     }
     fp_copier_set_spin(c, SPIN_NS);
     pthread_t tid[16], tog;
-    spin_caller_t args[16];
+    caller_t args[16];
     spin_toggle_t targ = {c, 0};
     if (toggle && pthread_create(&tog, NULL, spin_toggle_main, &targ) != 0)
         exit(2);
     for (int i = 0; i < callers; i++) {
-        args[i] = (spin_caller_t){c, i, iterations};
+        args[i] = (caller_t){c, i, iterations};
         if (pthread_create(&tid[i], NULL, spin_caller_main, &args[i]) != 0)
             exit(2);
     }
@@ -788,15 +782,9 @@ static void *tune_toggle_main(void *arg)
     return NULL;
 }
 
-typedef struct tune_caller_s {
-    fp_copier_t *copier; /* shared by all callers */
-    int id;              /* which caller */
-    int iterations;      /* runs to make */
-} tune_caller_t;
-
 static void *tune_caller_main(void *arg)
 {
-    tune_caller_t *t = arg;
+    caller_t *t = arg;
     size_t all[NTUNINGS * 32];
     size_t n = 0;
     for (size_t k = 0; k < NTUNINGS; k++)
@@ -819,12 +807,12 @@ static void test_tuning_concurrent(int threads, int callers, int iterations)
         return;
     }
     pthread_t tid[16], tog;
-    tune_caller_t args[16];
+    caller_t args[16];
     tune_toggle_t targ = {c, 0};
     if (pthread_create(&tog, NULL, tune_toggle_main, &targ) != 0)
         exit(2);
     for (int i = 0; i < callers; i++) {
-        args[i] = (tune_caller_t){c, i, iterations};
+        args[i] = (caller_t){c, i, iterations};
         if (pthread_create(&tid[i], NULL, tune_caller_main, &args[i]) != 0)
             exit(2);
     }
