@@ -106,7 +106,7 @@ void fp_arena_drain(fp_arena_t *a)
         FP_CRASH_POINT();
         if (anchor == FP_NIL) {
             blk->next = m->pending_head;
-            m->pending_head = b;
+            fp_atomic_store_relaxed(&m->pending_head, b);
         } else {
             blk->next = m->blocks[anchor].next;
             m->blocks[anchor].next = b;
@@ -170,7 +170,7 @@ static void fp_pending_collect(fp_arena_t *a, int all)
         uint32_t next = m->blocks[b].next;
         if (fp_event_done(a, b, home)) {
             if (prev == FP_NIL)
-                m->pending_head = next;
+                fp_atomic_store_relaxed(&m->pending_head, next);
             else
                 m->blocks[prev].next = next;
             if (m->pending_tail == b)
@@ -633,8 +633,17 @@ void fp_arena_free(fp_arena_t *a, uint32_t b, fp_cu_stream_t consumer)
     fp_return_push(a->meta, b, armed);
 }
 
+int fp_arena_idle(const fp_arena_t *a)
+{
+    const fp_arena_meta_t *m = a->meta;
+    return fp_atomic_load_relaxed(&m->returned) == FP_NIL &&
+           fp_atomic_load_relaxed(&m->pending_head) == FP_NIL;
+}
+
 int fp_arena_collect(fp_arena_t *a)
 {
+    if (fp_arena_idle(a))
+        return FP_OK;
     int status = fp_arena_lock(a);
     if (status)
         return status;

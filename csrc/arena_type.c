@@ -344,6 +344,8 @@ static PyObject *Arena_stats(ArenaObject *self, PyObject *Py_UNUSED(ignored))
 
 static PyObject *Arena_collect(ArenaObject *self, PyObject *Py_UNUSED(ignored))
 {
+    if (fp_arena_idle(self->arena))
+        Py_RETURN_NONE; /* nothing to collect: not worth letting the GIL go */
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = fp_arena_collect(self->arena);

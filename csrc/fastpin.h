@@ -292,6 +292,7 @@ int fp_cuda_scope_status(const fp_cuda_scope_t *scope);
 #define fp_atomic_load_acquire(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define fp_atomic_load_relaxed(p) __atomic_load_n((p), __ATOMIC_RELAXED)
 #define fp_atomic_store_release(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+#define fp_atomic_store_relaxed(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
 #define fp_atomic_add_acq_rel(p, v) __atomic_add_fetch((p), (v), __ATOMIC_ACQ_REL)
 #define fp_atomic_sub_acq_rel(p, v) __atomic_sub_fetch((p), (v), __ATOMIC_ACQ_REL)
 #define fp_atomic_cas_weak_release(p, expected, desired)                  \
@@ -395,8 +396,13 @@ int fp_arena_alloc(fp_arena_t *arena, uint64_t size, uint32_t *block,
 void fp_arena_free(fp_arena_t *arena, uint32_t block, fp_cu_stream_t consumer);
 
 /* Returns completed blocks to the free lists now (drain + event query). Only
- * the creator can retire blocks freed with an event. */
+ * the creator can retire blocks freed with an event. Takes no lock when there
+ * is nothing to do (fp_arena_idle). */
 int fp_arena_collect(fp_arena_t *arena);
+
+/* Whether no block waits to be collected (none returned, none pending), read
+ * without the lock: a block freed meanwhile is seen by the next look. */
+int fp_arena_idle(const fp_arena_t *arena);
 
 /* Frees every allocated block (not freed by its owner) whose owner is another
  * process that no longer exists: kill(pid, 0) fails with ESRCH, or it is a

@@ -478,7 +478,10 @@ static PyObject *fp_copy(PyObject *module, PyObject *args)
 
 /* h2d(arena, stream, [(dst, src, nbytes, pinned), ...], chunk=0): queue
  * host-to-device copies on a CUDA stream (a raw handle), staging pageable
- * sources through `arena` in chunks. GIL released throughout. */
+ * sources through `arena` in chunks, the GIL released meanwhile. Copies that
+ * are all from pinned memory are only queued (a zero-copy block's one copy):
+ * the GIL is kept, since letting it go and taking it back costs more than
+ * they do wherever other threads want it. */
 static PyObject *fp_h2d(PyObject *module, PyObject *args)
 {
     fp_state *st = PyModule_GetState(module);
@@ -498,6 +501,7 @@ static PyObject *fp_h2d(PyObject *module, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
+    int all_pinned = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *dst_obj, *src_obj, *size_obj;
         uint64_t dst, src, size;
@@ -508,17 +512,24 @@ static PyObject *fp_h2d(PyObject *module, PyObject *args)
             goto done;
         items[i] = (fp_h2d_t){.dst = dst, .src = (const void *)(uintptr_t)src, .size = size,
                               .pinned = pinned};
+        all_pinned &= pinned;
     }
-    fp_copier_t *copier = fp_get_copier(st);
-    if (!copier)
-        goto done;
     int status;
-    st->busy++;
-    Py_BEGIN_ALLOW_THREADS
-    status = fp_stage_h2d(copier, arena, fp_arena_context(arena),
-                          (fp_cu_stream_t)(uintptr_t)stream, items, (size_t)n, chunk);
-    Py_END_ALLOW_THREADS
-    st->busy--;
+    if (all_pinned) {
+        /* Nothing to stage: no copier, and the GIL kept. */
+        status = fp_stage_h2d(NULL, arena, fp_arena_context(arena),
+                              (fp_cu_stream_t)(uintptr_t)stream, items, (size_t)n, chunk);
+    } else {
+        fp_copier_t *copier = fp_get_copier(st);
+        if (!copier)
+            goto done;
+        st->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        status = fp_stage_h2d(copier, arena, fp_arena_context(arena),
+                              (fp_cu_stream_t)(uintptr_t)stream, items, (size_t)n, chunk);
+        Py_END_ALLOW_THREADS
+        st->busy--;
+    }
     if (status) {
         fp_raise(st, status);
         goto done;

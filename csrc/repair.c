@@ -86,7 +86,8 @@ static void fp_repair_spares(fp_arena_meta_t *m)
 static int fp_repair_lists(fp_arena_meta_t *m)
 {
     fp_tlsf_clear_lists(m);
-    m->pending_head = m->pending_tail = FP_NIL;
+    fp_atomic_store_relaxed(&m->pending_head, FP_NIL);
+    m->pending_tail = FP_NIL;
     m->bytes_in_use = m->bytes_requested = m->bytes_pending = 0;
     m->blocks_in_use = m->blocks_pending = 0;
     memset(m->class_blocks, 0, sizeof m->class_blocks);
@@ -102,7 +103,7 @@ static int fp_repair_lists(fp_arena_meta_t *m)
         if (blk->state == FP_BLOCK_PENDING) {
             blk->next = FP_NIL;
             if (m->pending_tail == FP_NIL)
-                m->pending_head = b;
+                fp_atomic_store_relaxed(&m->pending_head, b);
             else
                 m->blocks[m->pending_tail].next = b;
             m->pending_tail = b;

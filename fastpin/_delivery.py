@@ -26,7 +26,6 @@ runs prepare() instead, a queue ahead.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -260,6 +259,60 @@ class _Staging:
         return self.copy_arena
 
 
+class _CurrentStream:
+    """The current stream of one GPU, read and set by id through the bindings
+    torch.cuda.current_stream() and set_stream() call, without a Stream object
+    made each time (a step does this for every batch: the public calls cost
+    several times as much); a torch without those bindings gets the public
+    calls."""
+
+    __slots__ = ("torch", "index", "get", "set", "device", "last")
+
+    def __init__(self, torch, index: int):
+        self.torch = torch
+        self.index = index
+        c = torch._C
+        self.get = getattr(c, "_cuda_getCurrentStream", None)
+        self.set = getattr(c, "_cuda_setStream", None)
+        self.device = getattr(c, "_cuda_getDevice", None)
+        self.last = None  # the Stream object of the stream last asked for
+
+    def swap(self, stream):
+        """Make `stream` (of this GPU) current and return what to restore();
+        None, changing nothing, where another GPU is the current device."""
+        if self.get is None or self.set is None or self.device is None:
+            cuda = self.torch.cuda
+            if cuda.current_device() != self.index:
+                return None
+            previous = cuda.current_stream(self.index)
+            cuda.set_stream(stream)
+            return previous
+        if self.device() != self.index:
+            return None
+        previous = self.get(self.index)
+        self.set(stream_id=stream.stream_id, device_index=stream.device_index,
+                 device_type=stream.device_type)
+        return previous
+
+    def restore(self, previous) -> None:
+        if isinstance(previous, tuple):
+            self.set(stream_id=previous[0], device_index=previous[1], device_type=previous[2])
+        else:
+            self.torch.cuda.set_stream(previous)
+
+    def stream(self):
+        """The current stream of this GPU, as a torch Stream (the same object
+        while it stays current)."""
+        if self.get is None:
+            return self.torch.cuda.current_stream(self.index)
+        ids = self.get(self.index)
+        last = self.last
+        if last is None or last.stream_id != ids[0]:
+            last = self.last = self.torch.cuda.Stream(stream_id=ids[0], device_index=ids[1],
+                                                      device_type=ids[2])
+        return last
+
+
 class CopyToDevice(PassThrough):
     """device="cuda:N": each batch's leaves copied to the device on the copy
     stream (pageable ones staged through arena blocks in chunks, pinned ones
@@ -272,6 +325,7 @@ class CopyToDevice(PassThrough):
         super().__init__(target)
         self.torch = torch
         self.device = target.device
+        self.index = target.device.index
         self.depth = target.depth
         self.pin_objects = target.pin_objects
         self.staging = _Staging(target, zero_copy)
@@ -280,6 +334,7 @@ class CopyToDevice(PassThrough):
         self.pool = target.pool if zero_copy else None
         self.pinned = self.staging.copy_arena
         self.copy_stream = torch.cuda.Stream(self.device)
+        self.current = _CurrentStream(torch, self.index)
         # Sources that copies in flight may still read, with the batch's event.
         self.in_flight: list = []
 
@@ -291,16 +346,24 @@ class CopyToDevice(PassThrough):
         self.torch.cuda.set_device(self.device)
         self.torch.cuda.set_stream(self.copy_stream)
 
-    @contextlib.contextmanager
-    def here(self):
-        """The copy stream made current in the consumer's thread (Ahead)."""
-        torch = self.torch
-        with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
-            yield
+    def on_copy_stream(self, prepare, batch):
+        """prepare(batch) in the consumer's thread (Ahead), the copy stream its
+        current stream meanwhile. Where the consumer's current device is this
+        one (the usual case) only the stream is swapped and put back: the
+        context managers that also switch devices cost several times that."""
+        current = self.current
+        previous = current.swap(self.copy_stream)
+        if previous is None:  # another device is current
+            cuda = self.torch.cuda
+            with cuda.device(self.device), cuda.stream(self.copy_stream):
+                return prepare(batch)
+        try:
+            return prepare(batch)
+        finally:
+            current.restore(previous)
 
     def prepare_here(self, batch):
-        with self.here():
-            return self.prepare(batch)
+        return self.on_copy_stream(self.prepare, batch)
 
     def deliver(self, item):
         """The consumer's current stream waits on the batch's copy, and its
@@ -312,7 +375,7 @@ class CopyToDevice(PassThrough):
         stream of its own without waiting on the current one (timm's
         PrefetchLoader normalises there) reads no byte early."""
         out, event, made = item
-        stream = self.torch.cuda.current_stream(self.device)
+        stream = self.current.stream()
         stream.wait_event(event)
         if not event.query():
             event.synchronize()  # a blocking event: the thread sleeps
@@ -468,8 +531,7 @@ class Adopt:
     def prepare_here(self, batch):
         if self.copy_stream is None:
             return self.prepare(batch)
-        with self.inner.here():
-            return self.prepare(batch)
+        return self.inner.on_copy_stream(self.prepare, batch)
 
     def end(self) -> None:
         """The epoch's thread ends: workers that died before their batches
