@@ -48,6 +48,10 @@
 #                                path, one case a run (default images_f32 tokens), and
 #                                where the samples go (scripts/spy_top.py); needs
 #                                .tools/py-spy carried (about 2 minutes a case)
+#   bash scripts/gpu.sh parts [CASES] build, then benchmarks/delivery_parts.py: the delivery
+#                                step's CUDA and torch primitives timed alone, then
+#                                install(device)'s parts per batch, wrapped in timers, on
+#                                CASES (default tokens images_f32 recsys; about 3 minutes)
 #   bash scripts/gpu.sh trainers     build, then Lightning's Trainer (resnet18) and HF's Trainer
 #                                (GPT-2 from a config) through stock, install() and
 #                                install(device="cuda"), Lightning also through Loader(device)
@@ -216,6 +220,12 @@ if [ "$what" = spy ]; then
         step timeout 30 python3 scripts/spy_top.py "$OUT/spy_$case.txt" --within "run (install_threads.py"
         step timeout 30 python3 scripts/spy_top.py "$OUT/spy_$case.txt" --top 25
     done
+fi
+if [ "$what" = parts ]; then
+    cases=""
+    for case in ${@:-tokens images_f32 recsys}; do cases="$cases --case $case"; done
+    step timeout 300 env PYTHONPATH="$PWD" python3 benchmarks/delivery_parts.py --workers 15 \
+        --batches 300 $cases --json "$OUT/parts.json"
 fi
 if [ "$what" = profile ]; then
     step env PYTHONPATH="$PWD" python3 benchmarks/profile_zero_copy.py "$@"

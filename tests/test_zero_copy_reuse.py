@@ -5,6 +5,7 @@ or not; nothing (file descriptors, arenas) is left behind. CPU only: the shared
 arena works without a GPU."""
 import gc
 import os
+import sys
 import time
 from multiprocessing import forkserver, resource_tracker
 
@@ -108,7 +109,61 @@ def unjoined_children() -> str:
 
     rows = [f"{p.name} pid {p.pid} state {process_state(p.pid)} sentinel {p.sentinel}"
             for p in list(process._children)]
-    return "children not joined: " + (", ".join(rows) or "none")
+    return "children not joined: " + (", ".join(rows) or "none") + "; " + live_processes()
+
+
+def live_processes() -> str:
+    """Process objects still alive here (joined or not: their Popen keeps its
+    pipes open until it dies), each with what holds it, up to three steps back
+    (a frame named by its function and line)."""
+    import multiprocessing.process as mp_process
+
+    found = [o for o in gc.get_objects() if issubclass(type(o), mp_process.BaseProcess)
+             and o is not mp_process.current_process()]
+    ours = [found, sys._getframe()]  # the search's own lists and frames are not holders
+
+    def holders(obj, depth: int) -> str:
+        out = []
+        referrers = gc.get_referrers(obj)
+        ours.append(referrers)
+        for r in referrers:
+            if any(r is x for x in ours) or type(r).__name__ in ("cell", "list_iterator"):
+                continue
+            if type(r).__name__ == "frame":
+                out.append(f"frame {r.f_code.co_name} ({r.f_code.co_filename}:{r.f_lineno})")
+                continue
+            what = type(r).__name__
+            if isinstance(r, dict):
+                what += str([k for k, v in r.items() if v is obj][:3])
+            if depth > 1:
+                what += " <- (" + holders(r, depth - 1) + ")"
+            out.append(what)
+            if len(out) == 3:
+                break
+        return ", ".join(out) or "nothing gc sees"
+
+    def in_threads(obj) -> str:
+        """The running functions (any thread) whose locals hold obj, or a
+        tuple or list holding it: gc sees no frame of a function still running."""
+        import threading
+
+        names = {t.ident: t.name for t in threading.enumerate()}
+        out = []
+        for ident, frame in sys._current_frames().items():
+            while frame is not None:
+                if frame.f_code.co_filename == __file__:  # this search's own
+                    frame = frame.f_back
+                    continue
+                for value in list(frame.f_locals.values()):
+                    if value is obj or (isinstance(value, (tuple, list))
+                                        and any(v is obj for v in value)):
+                        out.append(f"{names.get(ident, ident)}: {frame.f_code.co_name} "
+                                   f"({frame.f_code.co_filename}:{frame.f_lineno})")
+                frame = frame.f_back
+        return "; in running code: " + (", ".join(out) or "none")
+
+    rows = [f"{p.name} held by {holders(p, 3)}{in_threads(p)}" for p in found]
+    return "live Process objects: " + (" | ".join(rows) or "none")
 
 
 @pytest.mark.parametrize("persistent", [False, True])
