@@ -131,14 +131,23 @@ def receive(batch: Any, consumer_stream: Any = None) -> tuple:
     return batch.views(), True
 
 
+def _uint8():
+    import torch
+
+    return torch.uint8
+
+
 def device_views(batch: "Adopted", buffer, ordinary=None) -> Optional[Any]:
     """The batch with each leaf a view of `buffer`, a device tensor of the
-    block's bytes (its length a multiple of 16) that one copy fills (at the leaf's offset, with its shape and
+    block's bytes (its length a multiple of 16 bytes; of the leaves' one dtype
+    where they have one, _record.one_dtype, else uint8) that one copy fills (at the leaf's offset, with its shape and
     strides: _record.device_specs), those not in the block ordinary(x) (or as
     they are); None when a leaf has a NumPy dtype torch does not know (the
     caller then takes the ordinary path, which says so)."""
     objects = batch.objects
-    typed: dict = {}  # dtype -> the whole buffer viewed as it: one view a leaf, not three
+    # dtype -> the whole buffer viewed as it: one view a leaf, not three; the
+    # buffer itself for its own dtype.
+    typed: dict = {buffer.dtype: buffer}
     views = []
     for (offset, nbytes, dtype, obj, numpy, shape, strides,
          grad) in _record.device_specs(batch.record):
@@ -151,7 +160,8 @@ def device_views(batch: "Adopted", buffer, ordinary=None) -> Optional[Any]:
             whole = typed[dtype] = buffer.view(dtype)
         step = whole.element_size()
         if offset % step:  # never for fastpin's blocks (leaves are granule-aligned)
-            view = buffer[offset:offset + nbytes].view(dtype).as_strided(shape, strides)
+            raw = buffer.view(_uint8())  # a byte offset: slice the bytes
+            view = raw[offset:offset + nbytes].view(dtype).as_strided(shape, strides)
         else:
             view = whole.as_strided(shape, strides, offset // step)
         views.append(view.requires_grad_() if grad else view)

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import _C, _adoption, _leaves
+from . import _C, _adoption, _leaves, _record
 from ._ahead import NoRoomAhead, preparing_ahead
 from ._arena import as_core_arena, cuda_available, default_arena, policy
 from ._pin import pin_memory
@@ -448,9 +448,11 @@ class CopyToDevice(PassThrough):
         of that buffer (no per-leaf work but the view). None: a leaf this path
         cannot take; use the ordinary one."""
         block = batch.block
-        # Whole 16 bytes: every dtype can view all of it (device_views).
-        buffer = self.torch.empty(-(-block.nbytes // 16) * 16, dtype=self.torch.uint8,
-                                  device=self.device)
+        # Whole 16 bytes: every dtype can view all of it (device_views). Made
+        # of the leaves' dtype where they share one: no view of it to make.
+        nbytes = -(-block.nbytes // 16) * 16
+        dtype = _record.one_dtype(batch.record) or self.torch.uint8
+        buffer = self.torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=self.device)
         made = [buffer]  # the views share its memory: it alone is record_stream'ed
         tree = _adoption.device_views(batch, buffer, self.ordinary(made))
         if tree is None:

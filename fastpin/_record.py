@@ -227,5 +227,24 @@ def device_specs(record: bytes) -> list:
                       shape, strides, bool(flags & REQUIRES_GRAD)))
     if len(_device_specs) >= _SPECS_KEPT:
         _device_specs.clear()
+        _one_dtype.clear()
     _device_specs[record] = specs
     return specs
+
+
+_one_dtype: dict = {}  # record -> one_dtype(record), beside _device_specs
+
+
+def one_dtype(record: bytes) -> Optional[Any]:
+    """The torch dtype every leaf of `record` has, where they all have one and
+    the same known to torch by code (a device buffer made of it needs no view
+    of another dtype); else None. Kept by record, as device_specs is."""
+    try:
+        return _one_dtype[record]
+    except KeyError:
+        pass
+    specs = device_specs(record)
+    dtypes = {s[2] for s in specs}
+    one = dtypes.pop() if len(dtypes) == 1 and all(s[3] is None for s in specs) else None
+    _one_dtype[record] = one
+    return one
