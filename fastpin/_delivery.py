@@ -29,11 +29,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
 
-from . import _C, _adoption, _leaves, _record
+from . import _C, _adoption, _leaves, _record, _torch
 from ._ahead import NoRoomAhead, preparing_ahead
 from ._arena import as_core_arena, cuda_available, default_arena, policy
 from ._pin import pin_memory
@@ -151,6 +152,12 @@ class PassThrough:
         """prepare() in the consumer's thread (Ahead)."""
         return self.prepare(batch)
 
+    # pin_received(batch), where a step has it: pins a batch in the pin thread
+    # of the DataLoader iterator the step reads (a copying Loader's view of a
+    # DataLoader with workers: _loader._own_workers), before the consumer's
+    # prepare() takes it; _install.serve_pin_thread routes that thread there.
+    pin_received = None
+
     def from_block(self, batch):
         """A zero-copy batch, its block adopted (still in its block's terms):
         what the queue gets, or None to take its leaves (from_adopted)."""
@@ -198,26 +205,54 @@ class PinHost(PassThrough):
         """pin_memory into the staging arena. A batch it pins the ordinary way
         (the arena full, or the batch over its cap) is a fallback, counted
         here unless its worker's fallback was (zero-copy)."""
-        if _no_memory_for(batch):
-            self.stats.fallback()
-            return batch  # unpinned: a copy would take what the cgroup does not have
-        arena = self.staging.arena()
-        stream = self.consumer_stream
         if preparing_ahead.get():
             # Ahead of the batch to hand over, in the consumer's own thread: the
             # room may be held by the batches before this one, which no wait
             # here would see handed over. It waits for its turn instead.
+            if _no_memory_for(batch):
+                self.stats.fallback()
+                return batch
             try:
-                return pin_memory(batch, arena=arena, stream=stream, on_full="raise")
+                return pin_memory(batch, arena=self.staging.arena(), stream=self.consumer_stream,
+                                  on_full="raise")
             except _C.ArenaFullError:
                 raise NoRoomAhead(lambda: self.prepare(batch)) from None
-        if self.counted or policy()["on_full"] != "fallback":
-            return pin_memory(batch, arena=arena, stream=stream)
-        try:
-            return pin_memory(batch, arena=arena, stream=stream, on_full="raise")
-        except _C.ArenaFullError:
-            self.stats.fallback()
-            return pin_memory(batch, arena=arena, stream=stream, on_full="fallback")
+        return _pin_counted(batch, self.staging, self.consumer_stream, self.stats, self.counted)
+
+    def pin_received(self, batch):
+        """In the DataLoader's pin thread: the batch pinned there (prepare()
+        then finds it pinned and hands it on as it is)."""
+        return _timed(self.stats, self.pin, batch)
+
+
+def _timed(stats: Stats, pin, batch):
+    """pin(batch), its time added to the stats' copy time (pin_received: the
+    pin thread's share, beside the consumer's)."""
+    t0 = time.perf_counter()
+    try:
+        return pin(batch)
+    finally:
+        dt = time.perf_counter() - t0
+        with stats.lock:
+            stats.copy_seconds += dt
+
+
+def _pin_counted(batch, staging: "_Staging", stream, stats: Stats, counted: bool):
+    """pin_memory of `batch` into staging's arena as the policy says; a batch
+    pinned the ordinary way (the arena full) counted as a fallback in `stats`
+    unless `counted` (a zero-copy worker's fallback was). A batch a copy of
+    which would not fit the cgroup's memory goes on unpinned (counted too)."""
+    if _no_memory_for(batch):
+        stats.fallback()
+        return batch  # unpinned: a copy would take what the cgroup does not have
+    arena = staging.arena()
+    if counted or policy()["on_full"] != "fallback":
+        return pin_memory(batch, arena=arena, stream=stream)
+    try:
+        return pin_memory(batch, arena=arena, stream=stream, on_full="raise")
+    except _C.ArenaFullError:
+        stats.fallback()
+        return pin_memory(batch, arena=arena, stream=stream, on_full="fallback")
 
 
 def _no_memory_for(batch) -> bool:
@@ -259,60 +294,6 @@ class _Staging:
         return self.copy_arena
 
 
-class _CurrentStream:
-    """The current stream of one GPU, read and set by id through the bindings
-    torch.cuda.current_stream() and set_stream() call, without a Stream object
-    made each time (a step does this for every batch: the public calls cost
-    several times as much); a torch without those bindings gets the public
-    calls."""
-
-    __slots__ = ("torch", "index", "get", "set", "device", "last")
-
-    def __init__(self, torch, index: int):
-        self.torch = torch
-        self.index = index
-        c = torch._C
-        self.get = getattr(c, "_cuda_getCurrentStream", None)
-        self.set = getattr(c, "_cuda_setStream", None)
-        self.device = getattr(c, "_cuda_getDevice", None)
-        self.last = None  # the Stream object of the stream last asked for
-
-    def swap(self, stream):
-        """Make `stream` (of this GPU) current and return what to restore();
-        None, changing nothing, where another GPU is the current device."""
-        if self.get is None or self.set is None or self.device is None:
-            cuda = self.torch.cuda
-            if cuda.current_device() != self.index:
-                return None
-            previous = cuda.current_stream(self.index)
-            cuda.set_stream(stream)
-            return previous
-        if self.device() != self.index:
-            return None
-        previous = self.get(self.index)
-        self.set(stream_id=stream.stream_id, device_index=stream.device_index,
-                 device_type=stream.device_type)
-        return previous
-
-    def restore(self, previous) -> None:
-        if isinstance(previous, tuple):
-            self.set(stream_id=previous[0], device_index=previous[1], device_type=previous[2])
-        else:
-            self.torch.cuda.set_stream(previous)
-
-    def stream(self):
-        """The current stream of this GPU, as a torch Stream (the same object
-        while it stays current)."""
-        if self.get is None:
-            return self.torch.cuda.current_stream(self.index)
-        ids = self.get(self.index)
-        last = self.last
-        if last is None or last.stream_id != ids[0]:
-            last = self.last = self.torch.cuda.Stream(stream_id=ids[0], device_index=ids[1],
-                                                      device_type=ids[2])
-        return last
-
-
 class CopyToDevice(PassThrough):
     """device="cuda:N": each batch's leaves copied to the device on the copy
     stream (pageable ones staged through arena blocks in chunks, pinned ones
@@ -334,7 +315,7 @@ class CopyToDevice(PassThrough):
         self.pool = target.pool if zero_copy else None
         self.pinned = self.staging.copy_arena
         self.copy_stream = torch.cuda.Stream(self.device)
-        self.current = _CurrentStream(torch, self.index)
+        self.current = _torch.CurrentStream(torch, self.index)
         # Sources that copies in flight may still read, with the batch's event.
         self.in_flight: list = []
 
@@ -364,6 +345,13 @@ class CopyToDevice(PassThrough):
 
     def prepare_here(self, batch):
         return self.on_copy_stream(self.prepare, batch)
+
+    def pin_received(self, batch):
+        """In the DataLoader's pin thread: the batch pinned in the staging
+        arena, so that prepare() copies it to the device straight from there
+        (its source kept alive until the copy is done: in_flight)."""
+        return _timed(self.stats, lambda b: _pin_counted(b, self.staging, None, self.stats, False),
+                      batch)
 
     def deliver(self, item):
         """The consumer's current stream waits on the batch's copy, and its

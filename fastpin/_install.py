@@ -20,7 +20,14 @@ Two hooks, both undone by uninstall():
     from the worker through the delivery engine (the same step as
     Loader(device)'s), copied on a side stream `_DEPTH` batches ahead in the
     consumer's own next(), ready on the consumer's current stream.
-  The DataLoader itself is not touched: its collate_fn stays the user's, and
+  The first hook also serves fastpin.Loader: a copying Loader over a
+DataLoader with workers iterates a view of it with pin_memory=True, and while
+such a view's pin thread runs, torch's pin function is _dispatch, which pins
+that thread's batches through the Loader's step (serve_pin_thread) and sends
+every other call where it went before (fastpin's pin with install(), else
+torch's own).
+
+The DataLoader itself is not touched: its collate_fn stays the user's, and
   iterators made after uninstall() are stock. An iterator keeps what it was
   given (its workers were started with it) to its end, so an epoch in flight
   finishes either way.
@@ -69,6 +76,63 @@ def _iterators():
     return dataloader._BaseDataLoaderIter
 
 
+# The pin threads of DataLoader iterators that a copying fastpin.Loader reads
+# (its view of a DataLoader with workers, pin_memory=True: _loader._own_workers):
+# thread ident -> (that Thread, the epoch's pin function). While any is
+# registered, torch's pin function is _dispatch, which sends those threads'
+# batches to their Loader and every other call where it went before.
+_pinners: dict = {}
+_torch_pin: Any = None  # torch's own pin function, as first found
+
+
+def _original(module) -> Any:
+    """torch's own pin function (found in `module` the first time)."""
+    global _torch_pin
+    current = module.pin_memory
+    if current is not pin_memory and current is not _dispatch:
+        _torch_pin = current
+    return _torch_pin
+
+
+def _dispatch(data, device=None):
+    entry = _pinners.get(threading.get_ident())
+    if entry is not None and entry[0] is threading.current_thread():
+        return entry[1](data)
+    return (pin_memory if "pin_memory" in replaced else _torch_pin)(data, device)
+
+
+def _refresh(module) -> None:
+    """torch's pin function as install() and the registered pin threads want it
+    (under _lock)."""
+    module.pin_memory = (_dispatch if _pinners else
+                         pin_memory if "pin_memory" in replaced else _torch_pin)
+
+
+def serve_pin_thread(it, pinner) -> None:
+    """DataLoader iterator `it`'s pin thread (if it runs one) pins through
+    pinner(batch) from now on, until `it` is gone; a later call (persistent
+    workers, the next epoch) replaces the pinner."""
+    thread = getattr(it, "_pin_memory_thread", None)
+    if thread is None or thread.ident is None:
+        return
+    module = _target()
+    with _lock:
+        _original(module)
+        first = thread.ident not in _pinners
+        _pinners[thread.ident] = (thread, pinner)
+        _refresh(module)
+    if first:
+        weakref.finalize(it, _release, thread.ident, thread).atexit = False
+
+
+def _release(ident: int, thread) -> None:
+    with _lock:
+        entry = _pinners.get(ident)
+        if entry is not None and entry[0] is thread:
+            del _pinners[ident]
+            _refresh(_target())
+
+
 def install(zero_copy: Optional[bool] = None, device: Any = None) -> None:
     """Make every DataLoader with pin_memory=True pin through fastpin.pin_memory,
     and (zero_copy, default True unless FASTPIN_ZERO_COPY=0) collate in its
@@ -100,8 +164,8 @@ def install(zero_copy: Optional[bool] = None, device: Any = None) -> None:
     iterators = _iterators()
     with _lock:
         if "pin_memory" not in replaced:
-            replaced["pin_memory"] = module.pin_memory
-            module.pin_memory = pin_memory
+            replaced["pin_memory"] = _original(module)
+            _refresh(module)
         _mode.update(zero_copy=zero_copy, device=cuda)
         hooked = zero_copy or cuda is not None
         if hooked and "iterator_init" not in replaced:
@@ -124,7 +188,8 @@ def uninstall() -> None:
     from now on; one in flight finishes its epoch as it began)."""
     with _lock:
         if "pin_memory" in replaced:
-            _target().pin_memory = replaced.pop("pin_memory")
+            replaced.pop("pin_memory")
+            _refresh(_target())
         if "iterator_init" in replaced:
             _iterators().__init__ = replaced.pop("iterator_init")
         _mode.update(zero_copy=False, device=None)

@@ -26,7 +26,7 @@ import time
 import weakref
 from typing import Any, Iterable, Optional, Union
 
-from . import _C, _ahead, _delivery, _graphs, _numa, _torch
+from . import _C, _ahead, _delivery, _graphs, _install, _numa, _torch
 from ._arena import cuda_available, default_arena, device_index, made_default_arena
 from ._grow import GrowingArena
 from ._producer import _POLL, _STOP, _end_here, _Failure, _Producer, _worker_backed
@@ -112,7 +112,6 @@ class Loader:
             raise TypeError("fastpin.Loader: device must be None, 'cpu', 'cuda', 'cuda:N', an int "
                             f"or a torch.device, not {device!r}")
         self.loader = loader
-        self._source: Any = _own_workers(loader)  # what an epoch iterates
         self.depth = depth
         self._arena = arena
         self._stats = _delivery.Stats()
@@ -136,6 +135,7 @@ class Loader:
                        else device_index(None) if self.device is None else -1)
         if arena is not None and self._index >= 0 and arena.registered:
             self._check_arena(arena)
+        self._source: Any = _own_workers(loader, self._pins_in_thread())  # what an epoch iterates
         self._placement = _numa.for_device(self._index if self._index >= 0 else None)
         _numa.pin_threads(self._placement)
         _graphs.watch()  # the blocks this Loader hands out are fenced on free
@@ -150,6 +150,15 @@ class Loader:
             self.device, self._index, depth, self._stats,
             arena=None if self.zero_copy else self._arena, pool=self._pool, loader=self.loader)
         self._mode = _delivery.choose(self._target, self.zero_copy)
+
+    def _pins_in_thread(self) -> bool:
+        """Whether a copying epoch over a DataLoader with workers has the
+        DataLoader's pin thread receive and pin each batch (through this
+        Loader's step: _delivery's pin_received), as the stock DataLoader
+        splits its work, the consumer's next() then only copying pinned
+        memory to the device: wherever batches are pinned, on a GPU."""
+        return ((self.device is None or self.device.type == "cuda")
+                and cuda_available() and _torch.require("fastpin.Loader").cuda.is_available())
 
     def _check_arena(self, arena: _C.Arena) -> None:
         """An arena registered in another GPU's context would record its frees there:
@@ -221,7 +230,7 @@ class Loader:
                      "zero-copy's shared arena is that process's, so this one's batches take "
                      "the copy path (make a Loader here for zero-copy in this process)")
             self._pool = self._arena = None
-            self._source = _own_workers(self.loader)
+            self._source = _own_workers(self.loader, self._pins_in_thread())
             self.zero_copy = False
         self._target = _delivery.Target(
             self.device, self._index, self.depth, self._stats,
@@ -283,20 +292,28 @@ def _zero_copy_applies(loader) -> bool:
     return (issubclass(type(loader), DataLoader) and loader.num_workers > 0
             and settings.zero_copy)
 
-def _own_workers(loader):
-    """What a Loader's epochs iterate: `loader`, or for a DataLoader with
-    persistent workers a shallow copy of it (_zerocopy.dataloader_view), so
-    that the Loader's persistent workers are its own: the DataLoader keeps one
-    persistent iterator, and two Loaders (or a Loader and a plain `for b in
-    dl`) reading it at once would each take the other's batches. Zero-copy
-    makes its own view (Loader._setup_zero_copy)."""
+def _own_workers(loader, pin_thread: bool = False):
+    """What a Loader's epochs iterate: `loader`, or a shallow copy of it
+    (_zerocopy.dataloader_view) for a DataLoader with persistent workers, so
+    that the Loader's persistent workers are its own (the DataLoader keeps one
+    persistent iterator, and two Loaders, or a Loader and a plain `for b in
+    dl`, reading it at once would each take the other's batches), and with
+    `pin_thread` (Loader._pins_in_thread) for a DataLoader with workers, the
+    copy with pin_memory=True: its pin thread receives each batch and pins it
+    through the Loader's step. Zero-copy makes its own view
+    (Loader._setup_zero_copy)."""
     from torch.utils.data import DataLoader
 
-    if not (isinstance(loader, DataLoader) and loader.persistent_workers):
+    pin_thread = (pin_thread and issubclass(type(loader), DataLoader)
+                  and loader.num_workers > 0)
+    if not (pin_thread or isinstance(loader, DataLoader) and loader.persistent_workers):
         return loader
     from ._zerocopy import dataloader_view
 
-    return dataloader_view(loader, loader.collate_fn)
+    view = dataloader_view(loader, loader.collate_fn)
+    if pin_thread:
+        view.__dict__["pin_memory"] = True
+    return view
 
 class _Epoch:
     """The consumer's iterator over one epoch. Any number of threads may draw
@@ -310,6 +327,10 @@ class _Epoch:
 
     def __init__(self, owner: Loader, previous: Optional[_Producer] = None):
         self.producer = _Producer(owner, previous, start=False)
+        if getattr(self.producer.mode, "pin_received", None) is not None:
+            # A copying epoch over a view with pin_memory=True (_own_workers):
+            # its pin thread pins each batch through this epoch's step.
+            _install.serve_pin_thread(self.producer.source, self.producer.mode.pin_received)
         self.deliver = self.producer.mode.deliver
         self.stats = owner._stats
         self.closed = False

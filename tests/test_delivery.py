@@ -697,3 +697,93 @@ def test_install_device_from_the_environment():
     out = subprocess.run([sys.executable, "-c", "import fastpin"], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode != 0 and "FASTPIN_INSTALL_DEVICE='gpu'" in out.stderr
+
+
+# ---- the copying Loader over workers: torch's pin thread receives and pins -------
+
+@pytest.fixture
+def pin_thread_path(monkeypatch, accelerator):
+    """A copying Loader (zero_copy=False, device=None) over a DataLoader with
+    workers takes the pin-thread path as on a GPU (on this machine, where
+    nothing is pinned, DataLoader runs its pin thread for the accelerator
+    fixture); the thread of every batch's pin_received call recorded."""
+    monkeypatch.setattr(fastpin.Loader, "_pins_in_thread", lambda self: True)
+    calls = []
+    original = _delivery.PinHost.pin_received
+
+    def pin_received(self, batch):
+        if batch is not None:  # persistent workers' resume markers carry None
+            calls.append(threading.current_thread())
+        return original(self, batch)
+
+    monkeypatch.setattr(_delivery.PinHost, "pin_received", pin_received)
+    yield calls
+    gc.collect()
+
+
+def torch_pin_module():
+    from torch.utils.data._utils import pin_memory as module
+    return module
+
+
+@pytest.mark.parametrize("method,persistent", [("fork", False), ("fork", True),
+                                               ("forkserver", True)])
+def test_copying_loader_pins_in_the_dataloaders_pin_thread(method, persistent, pin_thread_path,
+                                                           nothing_left_behind):
+    original = torch_pin_module().pin_memory
+    ds = PatternDataset(n=22, seed=7)                     # an uneven last batch
+    dl = seeded(ds, 11, num_workers=2, multiprocessing_context=method,
+                persistent_workers=persistent)            # pin_memory=False, as given
+    loader = fastpin.Loader(dl, device=None, zero_copy=False)
+    for refs in stock_epochs(ds, 11, persistent):
+        it = iter(loader)
+        got = [next(it)]
+        assert torch_pin_module().pin_memory is _install._dispatch  # while the epoch runs
+        got += list(it)
+        for out, ref in zip(got, refs, strict=True):
+            assert_batch(out, ref)
+    del it
+    main = threading.current_thread()
+    # Every batch of both epochs pinned in the DataLoader's own pin thread.
+    assert len(pin_thread_path) == 2 * len(refs) and main not in pin_thread_path
+    assert len(set(pin_thread_path)) == (1 if persistent else 2)
+    assert dl.pin_memory is False and dl.collate_fn is default_collate  # the user's, untouched
+    del loader, got, out, dl
+    gc.collect()
+    # Every pin thread gone with its iterator: torch's own pin function is back.
+    deadline = time.monotonic() + 10
+    while _install._pinners and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert not _install._pinners and torch_pin_module().pin_memory is original
+
+
+def test_pin_thread_dispatch_keeps_install_and_other_threads_as_they_were(pin_thread_path):
+    module = torch_pin_module()
+    original = module.pin_memory
+    fastpin.install(zero_copy=False)
+    try:
+        assert module.pin_memory is fastpin.pin_memory
+        dl = DataLoader(PatternDataset(n=16, seed=3), batch_size=BATCH, num_workers=2)
+        it = iter(fastpin.Loader(dl, device=None, zero_copy=False))
+        first = next(it)
+        assert module.pin_memory is _install._dispatch
+        # Any other thread (a plain DataLoader's pin thread, this one) pins where
+        # it did before: through fastpin.pin_memory while install() is on.
+        x = torch.arange(1024, dtype=torch.float32)
+        assert torch.equal(module.pin_memory(x), x)
+        fastpin.uninstall()
+        assert module.pin_memory is _install._dispatch  # the Loader's thread still served
+        rest = list(it)
+        assert 1 + len(rest) == 4 and len(pin_thread_path) == 4
+        del it, first, rest
+        deadline = time.monotonic() + 10
+        while _install._pinners and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.05)
+        assert module.pin_memory is original
+        fastpin.install(zero_copy=False)
+        assert module.pin_memory is fastpin.pin_memory
+    finally:
+        fastpin.uninstall()
+    assert module.pin_memory is original

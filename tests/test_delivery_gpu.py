@@ -70,16 +70,19 @@ def assert_batch_gpu(out, ref):
             assert out[key] == value, key
 
 
-@pytest.fixture(params=["install", "loader"])
+@pytest.fixture(params=["install", "loader", "loader_copy"])
 def delivered(request):
-    """A function dl -> the iterable of its batches on the GPU, by install(device)
-    or by Loader(device)."""
+    """A function dl -> the iterable of its batches on the GPU, by install(device),
+    by Loader(device) or by the copying Loader (whose view of a DataLoader with
+    workers has the pin thread pin each batch into fastpin's arena)."""
     if request.param == "install":
         fastpin.install(device="cuda")
         yield lambda dl: dl
         fastpin.uninstall()
-    else:
+    elif request.param == "loader":
         yield lambda dl: fastpin.Loader(dl, device="cuda")
+    else:
+        yield lambda dl: fastpin.Loader(dl, device="cuda", zero_copy=False)
 
 
 def settled_memory(baseline, timeout=10):
