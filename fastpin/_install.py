@@ -20,17 +20,16 @@ Two hooks, both undone by uninstall():
     from the worker through the delivery engine (the same step as
     Loader(device)'s), copied on a side stream `_DEPTH` batches ahead in the
     consumer's own next(), ready on the consumer's current stream.
-  The first hook also serves fastpin.Loader: a copying Loader over a
-DataLoader with workers iterates a view of it with pin_memory=True, and while
-such a view's pin thread runs, torch's pin function is _dispatch, which pins
-that thread's batches through the Loader's step (serve_pin_thread) and sends
-every other call where it went before (fastpin's pin with install(), else
-torch's own).
-
-The DataLoader itself is not touched: its collate_fn stays the user's, and
+  The DataLoader itself is not touched: its collate_fn stays the user's, and
   iterators made after uninstall() are stock. An iterator keeps what it was
   given (its workers were started with it) to its end, so an epoch in flight
   finishes either way.
+
+The first hook also serves fastpin.Loader: a copying Loader over a DataLoader
+with workers iterates a view of it with pin_memory=True, and while such a
+view's pin thread runs, torch's pin function is _dispatch, which pins that
+thread's batches through the Loader's step (serve_pin_thread) and sends every
+other call where it went before (fastpin's pin with install(), else torch's).
 
 What arrives is adopted in the main process as it is unpickled
 (_zerocopy._adopt_installed): with a pin thread (a GPU), as a PinnedInWorkers
@@ -118,7 +117,8 @@ def serve_pin_thread(it, pinner) -> None:
     module = _target()
     with _lock:
         _original(module)
-        first = thread.ident not in _pinners
+        # A stale entry (a thread gone, its ident reused) is this one's now.
+        first = _pinners.get(thread.ident, (None,))[0] is not thread
         _pinners[thread.ident] = (thread, pinner)
         _refresh(module)
     if first:

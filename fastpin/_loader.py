@@ -47,6 +47,10 @@ class Loader:
         handed over, up to depth + 1 batches after the source made them. A source
         that refills one buffer for every batch (common in custom loaders) has
         overwritten them by then: give such a source depth=0.
+        On a GPU, the copying path (zero_copy=False, or a DataLoader zero-copy does
+        not apply to) over a DataLoader with workers iterates a shallow copy of it
+        with pin_memory=True (settings as when wrapped): its pin thread receives
+        and pins each batch into fastpin's arena, as stock splits the work.
         A DataLoader with persistent_workers=True: the Loader iterates a shallow copy
         of it with persistent workers of its own (as zero_copy does, below), so that
         two Loaders over it, or a Loader beside a plain `for b in dl`, each get every
