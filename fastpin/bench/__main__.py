@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sizes", type=_mib, nargs="+",
                         help="pin_sizes: batch sizes in MiB (default: 0.0625 0.25 1 2 4 8 16 256)")
     parser.add_argument("--seconds", type=_number(float, 0),
-                        help="pin_sizes: least time spent timing each cell (default: 0.5)")
+                        help="pin_sizes: least time spent timing each cell (default: 0.3)")
     parser.add_argument("--hang-report", type=_number(float, 0), default=300.0, metavar="SECONDS",
                         help="a workload path still running after this long prints every "
                              "thread's stack to stderr (and again, from faulthandler, at twice "
@@ -211,7 +211,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         batches=args.batches, device=args.device, target=target, host_reason=host_reason,
         compute_ms=args.compute_ms, max_seconds=args.max_seconds,
         sizes=args.sizes or (QUICK_SIZES if args.quick else [0.0625, 0.25, 1, 2, 4, 8, 16, 256]),
-        seconds=args.seconds if args.seconds is not None else 0.5,
+        seconds=args.seconds if args.seconds is not None else 0.3,
         loader_workers=args.workers or sorted({min(8, n), n}),
         train_workers=args.workers or [min(15, n)])
 
