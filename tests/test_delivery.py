@@ -787,3 +787,22 @@ def test_pin_thread_dispatch_keeps_install_and_other_threads_as_they_were(pin_th
     finally:
         fastpin.uninstall()
     assert module.pin_memory is original
+
+
+def test_copying_loader_pin_thread_leaves_when_a_worker_hangs(pin_thread_path):
+    """The pin thread receives; a hung worker never holds back what arrived, and
+    dropping the epoch shuts the workers and that thread down, as stock does."""
+    module = torch_pin_module()
+    original = module.pin_memory
+    dl = DataLoader(Hang(), batch_size=1, num_workers=2)
+    it = iter(fastpin.Loader(dl, device=None, zero_copy=False))
+    assert next(it).tolist() == [[7, 7, 7, 7]]
+    source = it.producer.source
+    workers, pin_thread = list(source._workers), source._pin_memory_thread
+    del it, source
+    gc.collect()
+    assert workers_gone(workers)
+    pin_thread.join(10)
+    assert not pin_thread.is_alive()
+    gc.collect()
+    assert not _install._pinners and module.pin_memory is original
