@@ -82,6 +82,11 @@ def _iterators():
 # batches to their Loader and every other call where it went before.
 _pinners: dict = {}
 _torch_pin: Any = None  # torch's own pin function, as first found
+# Loader epochs between making a view's iterator (which starts its pin thread)
+# and serving that thread; _served is notified as each registers or gives up.
+_expecting = 0
+_served = threading.Condition(_lock)
+_WAIT = 10.0  # seconds a pin thread waits to be named before it pins as torch does
 
 
 def _original(module) -> Any:
@@ -94,16 +99,53 @@ def _original(module) -> Any:
 
 
 def _dispatch(data, device=None):
-    entry = _pinners.get(threading.get_ident())
-    if entry is not None and entry[0] is threading.current_thread():
+    ident, thread = threading.get_ident(), threading.current_thread()
+    entry = _pinners.get(ident)
+    if (entry is None or entry[0] is not thread) and _expecting and _is_pin_loop(thread):
+        # A pin thread whose batch came before its Loader could name it (the
+        # epoch is being made in another thread): its batches are the Loader's
+        # too, so it waits to be named.
+        with _served:
+            _served.wait_for(lambda: not _expecting or _pinners.get(ident, (None,))[0] is thread,
+                             timeout=_WAIT)
+        entry = _pinners.get(ident)
+    if entry is not None and entry[0] is thread:
         return entry[1](data)
     return (pin_memory if "pin_memory" in replaced else _torch_pin)(data, device)
+
+
+def _is_pin_loop(thread) -> bool:
+    """Whether `thread` runs DataLoader's pin loop."""
+    loop = getattr(_target(), "_pin_memory_loop", None)
+    return loop is not None and getattr(thread, "_target", None) is loop
+
+
+class expecting_pin_thread:
+    """Around making a copying Loader's epoch (its view's iterator starts the pin
+    thread) and serve_pin_thread: a batch that reaches the new pin thread
+    meanwhile waits for it (_dispatch), so every batch is pinned the Loader's
+    way."""
+
+    def __enter__(self):
+        global _expecting
+        module = _target()
+        with _lock:
+            _original(module)
+            _expecting += 1
+            _refresh(module)
+
+    def __exit__(self, *exc):
+        global _expecting
+        with _lock:
+            _expecting -= 1
+            _refresh(_target())
+            _served.notify_all()
 
 
 def _refresh(module) -> None:
     """torch's pin function as install() and the registered pin threads want it
     (under _lock)."""
-    module.pin_memory = (_dispatch if _pinners else
+    module.pin_memory = (_dispatch if _pinners or _expecting else
                          pin_memory if "pin_memory" in replaced else _torch_pin)
 
 
@@ -121,6 +163,7 @@ def serve_pin_thread(it, pinner) -> None:
         first = _pinners.get(thread.ident, (None,))[0] is not thread
         _pinners[thread.ident] = (thread, pinner)
         _refresh(module)
+        _served.notify_all()
     if first:
         weakref.finalize(it, _release, thread.ident, thread).atexit = False
 

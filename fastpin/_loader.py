@@ -139,7 +139,8 @@ class Loader:
                        else device_index(None) if self.device is None else -1)
         if arena is not None and self._index >= 0 and arena.registered:
             self._check_arena(arena)
-        self._source: Any = _own_workers(loader, self._pins_in_thread())  # what an epoch iterates
+        self._pin_thread = self._pins_in_thread()
+        self._source: Any = _own_workers(loader, self._pin_thread)  # what an epoch iterates
         self._placement = _numa.for_device(self._index if self._index >= 0 else None)
         _numa.pin_threads(self._placement)
         _graphs.watch()  # the blocks this Loader hands out are fenced on free
@@ -234,7 +235,7 @@ class Loader:
                      "zero-copy's shared arena is that process's, so this one's batches take "
                      "the copy path (make a Loader here for zero-copy in this process)")
             self._pool = self._arena = None
-            self._source = _own_workers(self.loader, self._pins_in_thread())
+            self._source = _own_workers(self.loader, self._pin_thread)
             self.zero_copy = False
         self._target = _delivery.Target(
             self.device, self._index, self.depth, self._stats,
@@ -330,11 +331,16 @@ class _Epoch:
     DataLoader iterator shuts its workers down in __del__)."""
 
     def __init__(self, owner: Loader, previous: Optional[_Producer] = None):
-        self.producer = _Producer(owner, previous, start=False)
-        if getattr(self.producer.mode, "pin_received", None) is not None:
+        if owner._pin_thread and not owner.zero_copy:
             # A copying epoch over a view with pin_memory=True (_own_workers):
             # its pin thread pins each batch through this epoch's step.
-            _install.serve_pin_thread(self.producer.source, self.producer.mode.pin_received)
+            with _install.expecting_pin_thread():
+                self.producer = _Producer(owner, previous, start=False)
+                if getattr(self.producer.mode, "pin_received", None) is not None:
+                    _install.serve_pin_thread(self.producer.source,
+                                              self.producer.mode.pin_received)
+        else:
+            self.producer = _Producer(owner, previous, start=False)
         self.deliver = self.producer.mode.deliver
         self.stats = owner._stats
         self.closed = False

@@ -806,3 +806,24 @@ def test_copying_loader_pin_thread_leaves_when_a_worker_hangs(pin_thread_path):
     assert not pin_thread.is_alive()
     gc.collect()
     assert not _install._pinners and module.pin_memory is original
+
+
+def test_copying_loader_pins_batches_that_reach_its_pin_thread_before_it_is_named(
+        pin_thread_path, monkeypatch):
+    """The view's iterator starts its pin thread before the Loader can name it:
+    a batch that gets there first waits to be named, and is pinned the
+    Loader's way (it went to torch's pin function, which fails where there is
+    no accelerator, as on this machine)."""
+    serve = _install.serve_pin_thread
+
+    def late(it, pinner):
+        time.sleep(0.5)  # the workers' first batches reach the pin thread meanwhile
+        serve(it, pinner)
+
+    monkeypatch.setattr(_install, "serve_pin_thread", late)
+    ds = PatternDataset(n=16, seed=5)
+    dl = DataLoader(ds, batch_size=BATCH, num_workers=2)
+    got = list(fastpin.Loader(dl, device=None, zero_copy=False))
+    for out, ref in zip(got, expected_batches(ds), strict=True):
+        assert_batch(out, ref)
+    assert len(pin_thread_path) == len(got)
