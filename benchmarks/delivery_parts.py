@@ -2,12 +2,13 @@
 first the CUDA and torch primitives the delivery step calls, each timed alone
 (a device allocation under the copy stream, fixed and varying sizes, with its
 record_stream; the stream switch; an event's creation, record, wait and
-query; two probes: pure Python work and a small allocation); then install(device="cuda") over the bench's workload cases (--case,
-repeatable; default tokens and images_f32), its steps wrapped in timers: each
-part's wall time per batch, inclusive of the parts inside it (the timer itself
-costs about 0.1-0.3 us a call), the probes once a batch (outside next(): the
-same work's time there against its time alone), beside every thread's CPU
-per batch.
+query; two probes: pure Python work and a small allocation); then
+install(device="cuda") over the bench's workload cases (--case, repeatable;
+default tokens and images_f32), its steps wrapped in timers: each part's wall
+time per batch, inclusive of the parts inside it and of the timers' own cost,
+and the probes once a batch (outside next() and outside the timers: the same
+work's time there against its time alone), beside every thread's CPU per
+batch.
 
     python benchmarks/delivery_parts.py [--workers 15] [--batches 300] [--case tokens]
         [--json parts.json]
@@ -179,10 +180,12 @@ def parts(case: str, workers: int, batches: int) -> dict:
                 t0, before = _clock(), threads()
             del batch
             if timers.on:
+                timers.on = False  # the probe's allocation is not the step's
                 for name, probe in (("probe_python", python), ("probe_empty_4KiB", small)):
                     p0 = _clock()
                     probe(k)
                     timers.seconds[name] += _clock() - p0
+                timers.on = True
             if k == batches + 19:
                 torch.cuda.synchronize()
                 t1, after = _clock(), threads()
