@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -205,19 +205,12 @@ class PinHost(PassThrough):
         """pin_memory into the staging arena. A batch it pins the ordinary way
         (the arena full, or the batch over its cap) is a fallback, counted
         here unless its worker's fallback was (zero-copy)."""
-        if preparing_ahead.get():
-            # Ahead of the batch to hand over, in the consumer's own thread: the
-            # room may be held by the batches before this one, which no wait
-            # here would see handed over. It waits for its turn instead.
-            if _no_memory_for(batch):
-                self.stats.fallback()
-                return batch
-            try:
-                return pin_memory(batch, arena=self.staging.arena(), stream=self.consumer_stream,
-                                  on_full="raise")
-            except _C.ArenaFullError:
-                raise NoRoomAhead(lambda: self.prepare(batch)) from None
-        return _pin_counted(batch, self.staging, self.consumer_stream, self.stats, self.counted)
+        # Ahead of the batch to hand over, in the consumer's own thread, the
+        # room may be held by the batches before this one, which no wait here
+        # would see handed over: it waits for its turn instead (NoRoomAhead).
+        later = (lambda: self.prepare(batch)) if preparing_ahead.get() else None
+        return _pin_counted(batch, self.staging, self.consumer_stream, self.stats, self.counted,
+                            later)
 
     def pin_received(self, batch):
         """In the DataLoader's pin thread: the batch pinned there (prepare()
@@ -225,27 +218,35 @@ class PinHost(PassThrough):
         return _timed(self.stats, self.pin, batch)
 
 
-def _timed(stats: Stats, pin, batch):
-    """pin(batch), its time added to the stats' copy time (pin_received: the
+def _timed(stats: Stats, pin, *args):
+    """pin(*args), its time added to the stats' copy time (pin_received: the
     pin thread's share, beside the consumer's)."""
     t0 = time.perf_counter()
     try:
-        return pin(batch)
+        return pin(*args)
     finally:
         dt = time.perf_counter() - t0
         with stats.lock:
             stats.copy_seconds += dt
 
 
-def _pin_counted(batch, staging: "_Staging", stream, stats: Stats, counted: bool):
+def _pin_counted(batch, staging: "_Staging", stream, stats: Stats, counted: bool,
+                 later: Optional[Callable[[], Any]] = None):
     """pin_memory of `batch` into staging's arena as the policy says; a batch
     pinned the ordinary way (the arena full) counted as a fallback in `stats`
     unless `counted` (a zero-copy worker's fallback was). A batch a copy of
-    which would not fit the cgroup's memory goes on unpinned (counted too)."""
+    which would not fit the cgroup's memory goes on unpinned (counted too).
+    `later`, for a batch prepared ahead: no wait for room, NoRoomAhead(later)
+    where there is none."""
     if _no_memory_for(batch):
         stats.fallback()
         return batch  # unpinned: a copy would take what the cgroup does not have
     arena = staging.arena()
+    if later is not None:
+        try:
+            return pin_memory(batch, arena=arena, stream=stream, on_full="raise")
+        except _C.ArenaFullError:
+            raise NoRoomAhead(later) from None
     if counted or policy()["on_full"] != "fallback":
         return pin_memory(batch, arena=arena, stream=stream)
     try:
@@ -350,8 +351,7 @@ class CopyToDevice(PassThrough):
         """In the DataLoader's pin thread: the batch pinned in the staging
         arena, so that prepare() copies it to the device straight from there
         (its source kept alive until the copy is done: in_flight)."""
-        return _timed(self.stats, lambda b: _pin_counted(b, self.staging, None, self.stats, False),
-                      batch)
+        return _timed(self.stats, _pin_counted, batch, self.staging, None, self.stats, False)
 
     def deliver(self, item):
         """The consumer's current stream waits on the batch's copy, and its

@@ -18,6 +18,7 @@ pages on the GPU's NUMA node; the copy threads run on that node's CPUs.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -331,16 +332,13 @@ class _Epoch:
     DataLoader iterator shuts its workers down in __del__)."""
 
     def __init__(self, owner: Loader, previous: Optional[_Producer] = None):
-        if owner._pin_thread and not owner.zero_copy:
-            # A copying epoch over a view with pin_memory=True (_own_workers):
-            # its pin thread pins each batch through this epoch's step.
-            with _install.expecting_pin_thread():
-                self.producer = _Producer(owner, previous, start=False)
-                if getattr(self.producer.mode, "pin_received", None) is not None:
-                    _install.serve_pin_thread(self.producer.source,
-                                              self.producer.mode.pin_received)
-        else:
+        # A copying epoch over a view with pin_memory=True (_own_workers): its
+        # pin thread pins each batch through this epoch's step.
+        pins = owner._pin_thread and not owner.zero_copy
+        with _install.expecting_pin_thread() if pins else contextlib.nullcontext():
             self.producer = _Producer(owner, previous, start=False)
+            if pins:
+                _install.serve_pin_thread(self.producer.source, self.producer.mode.pin_received)
         self.deliver = self.producer.mode.deliver
         self.stats = owner._stats
         self.closed = False

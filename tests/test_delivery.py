@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, default_collate
+from torch.utils.data._utils import pin_memory as torch_pin_module
 
 import fastpin
 from fastpin import _ahead, _delivery, _install
@@ -721,16 +722,11 @@ def pin_thread_path(monkeypatch, accelerator):
     gc.collect()
 
 
-def torch_pin_module():
-    from torch.utils.data._utils import pin_memory as module
-    return module
-
-
 @pytest.mark.parametrize("method,persistent", [("fork", False), ("fork", True),
                                                ("forkserver", True)])
 def test_copying_loader_pins_in_the_dataloaders_pin_thread(method, persistent, pin_thread_path,
                                                            nothing_left_behind):
-    original = torch_pin_module().pin_memory
+    original = torch_pin_module.pin_memory
     ds = PatternDataset(n=22, seed=7)                     # an uneven last batch
     dl = seeded(ds, 11, num_workers=2, multiprocessing_context=method,
                 persistent_workers=persistent)            # pin_memory=False, as given
@@ -738,7 +734,7 @@ def test_copying_loader_pins_in_the_dataloaders_pin_thread(method, persistent, p
     for refs in stock_epochs(ds, 11, persistent):
         it = iter(loader)
         got = [next(it)]
-        assert torch_pin_module().pin_memory is _install._dispatch  # while the epoch runs
+        assert torch_pin_module.pin_memory is _install._dispatch  # while the epoch runs
         got += list(it)
         for out, ref in zip(got, refs, strict=True):
             assert_batch(out, ref)
@@ -755,11 +751,11 @@ def test_copying_loader_pins_in_the_dataloaders_pin_thread(method, persistent, p
     while _install._pinners and time.monotonic() < deadline:
         gc.collect()
         time.sleep(0.05)
-    assert not _install._pinners and torch_pin_module().pin_memory is original
+    assert not _install._pinners and torch_pin_module.pin_memory is original
 
 
 def test_pin_thread_dispatch_keeps_install_and_other_threads_as_they_were(pin_thread_path):
-    module = torch_pin_module()
+    module = torch_pin_module
     original = module.pin_memory
     fastpin.install(zero_copy=False)
     try:
@@ -792,7 +788,7 @@ def test_pin_thread_dispatch_keeps_install_and_other_threads_as_they_were(pin_th
 def test_copying_loader_pin_thread_leaves_when_a_worker_hangs(pin_thread_path):
     """The pin thread receives; a hung worker never holds back what arrived, and
     dropping the epoch shuts the workers and that thread down, as stock does."""
-    module = torch_pin_module()
+    module = torch_pin_module
     original = module.pin_memory
     dl = DataLoader(Hang(), batch_size=1, num_workers=2)
     it = iter(fastpin.Loader(dl, device=None, zero_copy=False))
