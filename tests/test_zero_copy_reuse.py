@@ -306,3 +306,60 @@ def test_the_issue_pattern_a_loader_made_in_the_for_statement(method, persistent
         del b, x
     check(dl)
     del dl
+
+
+@pytest.fixture
+def torch_2_11_exit_hook(monkeypatch):
+    """torch 2.11 and before, for a DataLoader iterator with persistent workers
+    and pin_memory (on a GPU), register each worker at exit:
+    `atexit.register(_clean_up_worker, w)`. That registration holds the Process,
+    and with it the two pipe ends its Popen keeps, until the interpreter exits,
+    after the iterator has joined it. Here for every persistent iterator (on
+    the CPU its pin_memory is off). Yields the workers so registered."""
+    import atexit
+
+    from torch.utils.data import dataloader as dl_module
+
+    registered = []
+
+    def clean_up_worker(w):  # as torch's _MultiProcessingDataLoaderIter._clean_up_worker
+        try:
+            w.join(timeout=5.0)
+        finally:
+            if w.is_alive():
+                w.terminate()
+
+    cls = dl_module._MultiProcessingDataLoaderIter
+    init = cls.__init__
+
+    def patched(self, loader):
+        init(self, loader)
+        if self._persistent_workers:
+            for w in self._workers:
+                atexit.register(clean_up_worker, w)
+                registered.append(w)
+
+    monkeypatch.setattr(cls, "__init__", patched)
+    yield registered
+    atexit.unregister(clean_up_worker)
+    for w in registered:  # what the interpreter's exit would run: no error
+        clean_up_worker(w)
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_every_epoch_a_new_loader_over_persistent_workers_held_at_exit(
+        method, zero_copy, torch_2_11_exit_hook, nothing_left_behind):
+    """A new Loader every epoch over one DataLoader with persistent workers: each
+    Loader's view has workers of its own, and torch (2.11 and before, on a GPU)
+    holds each of them at exit. Once a Loader is gone its workers' pipes are
+    closed, or every epoch would leave two descriptors a worker until the
+    process ends (a long run reaches its limit of open files)."""
+    dl = dataloader(method, persistent=True)
+    for _ in range(3):
+        loader = (zero_copy and globals()["zero_copy"](dl)
+                  or fastpin.Loader(dl, device=None, zero_copy=False))
+        check(loader)
+        del loader
+    assert len(torch_2_11_exit_hook) == 6
+    del dl
