@@ -9,7 +9,10 @@ and the budget of main-process CPU a zero-copy device batch is held to
 (50 us + 3 us a leaf). The path torch_floor is torch's own share of it: the
 same DataLoader (workers, sampler, batch size) whose samples are their indices
 and whose batch is one int, so the main process does nothing but torch's
-per-batch protocol (sampler, index queue, result queue, __next__).
+per-batch protocol (sampler, index queue, result queue, __next__). The paths
+stock (DataLoader(pin_memory=True), then .to()) and loader_copy
+(Loader(dl, device="cuda", zero_copy=False), whose stats' seconds per batch are
+given) show the copying path beside the stock one it replaces.
 
     python benchmarks/install_threads.py [--workers 15] [--batches 200] [--case images_u8]
         [--path install_device --path zero_copy_cuda]
@@ -86,6 +89,10 @@ def run(path: str, case: str, workers: int, batches: int) -> dict:
     elif path == "install_device":
         fastpin.install(device="cuda")
         source = make(True)
+    elif path == "stock":
+        source = make(True)
+    elif path == "loader_copy":
+        source = fastpin.Loader(make(False), device=device, zero_copy=False)
     elif path == "zero_copy_host":
         source = fastpin.Loader(make(False), device=None, zero_copy=True)
     else:
@@ -115,11 +122,14 @@ def run(path: str, case: str, workers: int, batches: int) -> dict:
 
         pool = process.installed_pools[source][1]
         stats = pool.stats()
-    elif path == "torch_floor":
+    elif path in ("torch_floor", "stock"):
         stats = {}
     else:
         stats = source.stats()
+        seconds = {k: round(v * 1e3 / (batches + 10), 3) for k, v in stats.items()
+                   if k.endswith("_seconds")}
         stats = {k: v for k, v in stats.items() if "pool" in k or k == "fallbacks"}
+        stats["ms_per_batch"] = seconds
     del it, source
     if path in ("install", "install_device"):
         fastpin.uninstall()
@@ -132,7 +142,8 @@ def run(path: str, case: str, workers: int, batches: int) -> dict:
             "to_cpu_ms_per_batch": round(to_s * 1e3 / batches, 3), "is_pinned": pinned,
             "threads_ms_per_batch": by_name,
             "pool": {k: stats.get(k) for k in stats if k in ("capacity", "high_water", "fallbacks",
-                                                              "pool_capacity", "pool_high_water")}}
+                                                              "pool_capacity", "pool_high_water",
+                                                              "ms_per_batch")}}
 
 
 def main() -> None:
@@ -143,7 +154,7 @@ def main() -> None:
     parser.add_argument("--case", action="append", choices=sorted(workloads.CASES))
     parser.add_argument("--path", action="append",
                         choices=["install", "zero_copy_host", "zero_copy_cuda", "install_device",
-                                 "torch_floor"])
+                                 "torch_floor", "stock", "loader_copy"])
     parser.add_argument("--json", help="write the lines here too, as a list")
     args = parser.parse_args()
     rows = []

@@ -47,6 +47,23 @@ def gpu(fn):
     return pytest.mark.gpu(fn)
 
 
+def open_cuda() -> None:
+    """Where a GPU is usable, open what the CUDA driver keeps open for the
+    process (device files, its pipe and eventfds, the context) and what
+    fastpin's first pinned copy adds: tests that count descriptors left behind
+    count from after them."""
+    if not (fastpin.cuda_available() and torch.cuda.is_available()):
+        return
+    torch.cuda.init()
+    x = fastpin.pin_memory(torch.arange(1024, dtype=torch.int32))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        y = x.to("cuda", non_blocking=True)
+    torch.cuda.Event(blocking=True).record(stream)
+    stream.synchronize()
+    del x, y
+
+
 # ---- patterned data ------------------------------------------------------
 
 def _rng(seed, *salt) -> np.random.Generator:

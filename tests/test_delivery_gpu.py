@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, default_collate
 
 import fastpin
 from fastpin import _ahead
-from conftest import assert_same, sleep_cycles, workers_gone
+from conftest import assert_same, open_cuda, sleep_cycles, workers_gone
 from test_install import (
     FORK_WARNING, BATCH, Named, PatternDataset, collate_pair, expected_batches, seeded,
     stock_epochs,
@@ -37,17 +37,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings(FORK_WARNING),
 
 @pytest.fixture(autouse=True, scope="module")
 def cuda_ready():
-    """The driver's own descriptors (device files, its pipe and eventfds) and
-    contexts opened before any test counts what it leaves behind."""
-    if gpu_here:
-        torch.cuda.init()
-        x = fastpin.pin_memory(torch.arange(1024, dtype=torch.int32))
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            y = x.to("cuda", non_blocking=True)
-        torch.cuda.Event(blocking=True).record(stream)
-        stream.synchronize()
-        del x, y
+    open_cuda()  # the driver's own descriptors, before any test counts them
 
 
 def on_gpu(batch):

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 import fastpin
 from fastpin import _zerocopy
 
-from conftest import assert_same, patterned, process_state
+from conftest import assert_same, open_cuda, patterned, process_state
 
 MB = 1 << 20
 N, BATCH = 26, 4                    # an uneven last batch
@@ -87,6 +87,7 @@ def nothing_left_behind():
     # pipes are not the test's).
     resource_tracker.ensure_running()
     forkserver.ensure_running()
+    open_cuda()  # and the CUDA driver's, where a GPU is: the first test opens them
     gc.collect()
     before_fds, before_arenas = fds(), live_arenas()
     yield
