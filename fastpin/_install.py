@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import types
 import weakref
 from typing import Any, Optional
 
@@ -51,6 +50,7 @@ from . import _ahead, _delivery, _graphs, _numa, _torch
 from ._arena import cuda_status, device_index
 from ._pin import pin_memory
 from ._runtime import check_bool, cuda_available, process, replaced, settings
+from ._segments import shape_of
 
 _lock = threading.Lock()
 # The depth a Pool is sized for beyond the workers' batches in flight: the
@@ -315,18 +315,12 @@ def _deliver(it, loader, zero_copy: bool, device) -> None:
     depth = 0 if callable(getattr(it, "state_dict", None)) else _DEPTH
     target = _delivery.Target(
         _torch.require("fastpin.install").device("cuda", index), index, depth, stats,
-        pool=pool, loader=_shape(loader), pin_objects=True, who="fastpin.install(device=...)")
+        pool=pool, loader=shape_of(loader), pin_objects=True, who="fastpin.install(device=...)")
     _ahead.deliver_from(it, _delivery.choose(target, zero_copy)(), depth)
 
 
 def _current_device() -> int:
     return sys.modules["torch"].cuda.current_device()
-
-
-def _shape(loader):
-    """What sizing needs of `loader`, without holding it."""
-    return types.SimpleNamespace(num_workers=loader.num_workers,
-                                 prefetch_factor=loader.prefetch_factor)
 
 
 def _pool_for(loader, index: Optional[int] = None) -> tuple:
@@ -345,7 +339,7 @@ def _pool_for(loader, index: Optional[int] = None) -> tuple:
         cached[1].reclaim()  # blocks a previous epoch's killed workers held
         return cached[1], cached[2]
     make = _zerocopy.shared_maker(index, _numa.for_device(index if index >= 0 else None).node)
-    pool = _zerocopy.Pool(make, loader=_shape(loader), depth=_DEPTH,
+    pool = _zerocopy.Pool(make, loader=shape_of(loader), depth=_DEPTH,
                           cap=_zerocopy.default_cap(index >= 0))
     pool.warn_fallbacks = True  # no Loader here to say so: the pool does (tell_fallbacks)
     stats = _delivery.Stats()

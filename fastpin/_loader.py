@@ -31,7 +31,8 @@ from . import _C, _ahead, _delivery, _graphs, _install, _numa, _torch
 from ._arena import cuda_available, default_arena, device_index, made_default_arena
 from ._grow import GrowingArena
 from ._producer import _POLL, _STOP, _end_here, _Failure, _Producer, _worker_backed
-from ._runtime import check_capacity, check_int, settings
+from ._runtime import check_capacity, check_int, process, settings
+from ._segments import shape_of
 
 log = logging.getLogger("fastpin")
 
@@ -80,10 +81,13 @@ class Loader:
         wrapped) whose workers run fastpin's collate_fn, with workers of its own,
         so plain iteration of the DataLoader and other Loaders over it are
         unaffected; take a StatefulDataLoader's state through the Loader's
-        state_dict(). With persistent_workers=True the Loader's workers (and the
-        arena they write into: their collate_fn is fixed when they start) persist
+        state_dict(). With persistent_workers=True the Loader's workers persist
         across its epochs and end with the Loader; a new Loader over the same
-        DataLoader starts workers of its own.
+        DataLoader starts workers of its own. The shared arena (no `arena`
+        given) is kept with the DataLoader, as install() keeps its own: a new
+        Loader every epoch takes the one the last made (no page-locking and
+        registering again), one made while another Loader reads it makes its
+        own; it goes when the DataLoader does.
 
     Leaving an epoch (break, an exception, Ctrl-C, a new iter(), interpreter exit)
     never waits on the source: a DataLoader's workers are shut down when the epoch
@@ -192,10 +196,18 @@ class Loader:
                              "(_C.Arena(..., shared=True))")
         if max_capacity is not None and max_capacity <= 0:
             raise ValueError(f"max_capacity must be positive, not {max_capacity}")
-        index = self._index
-        self._pool = _zerocopy.Pool(
-            _zerocopy.shared_maker(index, self._placement.node), loader=self.loader, depth=self.depth, arena=arena, capacity=capacity,
-            cap=max_capacity or _zerocopy.default_cap(index >= 0))
+        index, node = self._index, self._placement.node
+        cap = max_capacity or _zerocopy.default_cap(index >= 0)
+
+        def make():
+            return _zerocopy.Pool(_zerocopy.shared_maker(index, node),
+                                  loader=shape_of(self.loader), depth=self.depth, arena=arena,
+                                  capacity=capacity, cap=cap)
+
+        self._pool = (make() if arena is not None
+                      else _shared_pool(self, (index, node, self.depth, capacity, cap), make))
+        # Its workers' fallbacks before this Loader (a pool taken over): not its own.
+        self._fallbacks_before = (self._pool.stats() or {}).get("fallbacks", 0)
         self._arena = self._pool.newest()  # None while a self-sizing pool is empty
         self._source = _zerocopy.dataloader_view(
             self.loader, _zerocopy.wrap_collate(self.loader.collate_fn, self._pool))
@@ -280,7 +292,10 @@ class Loader:
         next() waited for a batch), fallbacks, pool_high_water, pool_capacity (0
         while no arena is made: reading stats makes and page-locks nothing)."""
         if self._pool is not None:
-            return self._stats.as_dict(self._pool.stats())
+            s = self._pool.stats()
+            if s is not None and self._fallbacks_before:
+                s["fallbacks"] -= self._fallbacks_before
+            return self._stats.as_dict(s)
         arena = self._arena
         if arena is None and not (self.device is not None and self.device.type == "cpu"):
             arena = made_default_arena(self._index if self._index >= 0 else None)
@@ -297,6 +312,37 @@ def _zero_copy_applies(loader) -> bool:
 
     return (issubclass(type(loader), DataLoader) and loader.num_workers > 0
             and settings.zero_copy)
+
+def _shared_pool(owner: Loader, key: tuple, make) -> Any:
+    """The zero-copy pool of `owner`: the one an earlier Loader over the same
+    DataLoader made with the same settings (`key`), where no Loader reads it
+    now, so that a new Loader every epoch (`for b in fastpin.Loader(dl)`) does
+    not page-lock and register its arena again each epoch; kept while the
+    DataLoader lives (a weak key: the pool holds only its shape), as install()
+    keeps its own. Beside a Loader that reads it (two at once), a pool of its
+    own, as sized for one Loader's batches in flight."""
+    try:
+        table = process.loader_pools.setdefault(owner.loader, {})
+    except TypeError:  # unhashable, or no weak reference to it
+        return make()
+    with process.lock:
+        entry = table.get(key)
+        if entry is not None and any(_reading(user) for user in entry[1]):
+            return make()
+        if entry is None:
+            users: "weakref.WeakSet[Loader]" = weakref.WeakSet()
+            table[key] = entry = (make(), users)
+        else:
+            entry[0].reclaim()  # blocks a previous epoch's killed workers held
+        entry[1].add(owner)
+        return entry[0]
+
+
+def _reading(loader: Loader) -> bool:
+    """Whether an epoch of `loader` is under way (made, not ended or closed)."""
+    epoch = loader._active() if loader._active is not None else None
+    return epoch is not None and not epoch.closed
+
 
 def _own_workers(loader, pin_thread: bool = False):
     """What a Loader's epochs iterate: `loader`, or a shallow copy of it

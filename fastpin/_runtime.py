@@ -303,11 +303,14 @@ class Process:
         # install(): DataLoader -> (CUDA ordinal, the zero-copy Pool of its
         # iterators, their delivery Stats).
         self.installed_pools: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+        # Loader(zero_copy): DataLoader -> {its pools' settings: (the Pool, the
+        # Loaders that took it)} (_loader._shared_pool).
+        self.loader_pools: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
         self.reset()
 
     def reset(self) -> None:
         for registry in (self.arenas, self.shared, self.attached, self.directories, self.pools,
-                         self.pinned, self.producers, self.installed_pools):
+                         self.pinned, self.producers, self.installed_pools, self.loader_pools):
             registry.clear()
         self.cuda_ready: Optional[bool] = None  # _C.cuda_status() says "ready"; asked once
         self.exiting = False  # the interpreter is exiting: Loader threads stop, none joined

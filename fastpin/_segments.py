@@ -21,6 +21,7 @@ import select
 import struct
 import threading
 import time
+import types
 import weakref
 from typing import Callable, Optional
 
@@ -218,6 +219,12 @@ def batches_ahead(loader) -> int:
     """Batches a DataLoader's workers hold at once (num_workers x prefetch_factor;
     one when it collates in this process)."""
     return (loader.prefetch_factor or 2) * loader.num_workers if loader.num_workers else 1
+
+
+def shape_of(loader) -> types.SimpleNamespace:
+    """What sizing needs of DataLoader `loader` (batches_ahead), without holding it."""
+    return types.SimpleNamespace(num_workers=loader.num_workers,
+                                 prefetch_factor=loader.prefetch_factor)
 
 
 def capacity_for(loader, batch_bytes: int, depth: int) -> int:

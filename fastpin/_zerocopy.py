@@ -17,7 +17,9 @@ generator, with the wrapped collate_fn and iterators of its own), so a plain
 `for b in dl`, a second Loader, or a new Loader every epoch each see the
 DataLoader as it was. The collate_fn a worker runs is fixed when the worker
 starts: persistent workers keep theirs for their lifetime, so the view (which
-holds them) and the arena they write into live as long as the Loader does.
+holds them) lives as long as the Loader does, and the arena they write into at
+least as long: it is kept with the DataLoader, for the next Loader over it
+(_loader._shared_pool), as install() keeps one per DataLoader.
 
 fastpin.install() gives DataLoader iterators the same collate_fn (_install):
 what their workers ship is adopted as it is unpickled, and handed on as the

@@ -364,3 +364,30 @@ def test_every_epoch_a_new_loader_over_persistent_workers_held_at_exit(
         del loader
     assert len(torch_2_11_exit_hook) == 6
     del dl
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_new_loader_every_epoch_takes_the_arena_of_the_last(persistent, nothing_left_behind):
+    """`for b in fastpin.Loader(dl)` every epoch: each Loader takes the shared
+    arena the one before made (page-locked and, on a GPU, registered once, as
+    install() keeps one per DataLoader) instead of making and registering its
+    own every epoch; a Loader made while another one reads it makes its own.
+    """
+    dl = dataloader("fork", persistent)
+    first = zero_copy(dl, capacity=None)  # self-sizing
+    check(first)
+    pool, arenas = first._pool, live_arenas()
+    assert arenas
+    del first
+    for _ in range(2):
+        again = zero_copy(dl, capacity=None)
+        assert again._pool is pool
+        check(again)
+        assert live_arenas() == arenas
+    reading = iter(again)
+    next(reading)
+    beside = zero_copy(dl, capacity=None)
+    assert beside._pool is not pool
+    check(beside)
+    assert len(list(reading)) == NBATCHES - 1
+    del reading, again, beside, dl
