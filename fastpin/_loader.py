@@ -313,19 +313,20 @@ def _zero_copy_applies(loader) -> bool:
     return (issubclass(type(loader), DataLoader) and loader.num_workers > 0
             and settings.zero_copy)
 
+
 def _shared_pool(owner: Loader, key: tuple, make) -> Any:
     """The zero-copy pool of `owner`: the one an earlier Loader over the same
-    DataLoader made with the same settings (`key`), where no Loader reads it
-    now, so that a new Loader every epoch (`for b in fastpin.Loader(dl)`) does
-    not page-lock and register its arena again each epoch; kept while the
-    DataLoader lives (a weak key: the pool holds only its shape), as install()
-    keeps its own. Beside a Loader that reads it (two at once), a pool of its
-    own, as sized for one Loader's batches in flight."""
-    try:
-        table = process.loader_pools.setdefault(owner.loader, {})
-    except TypeError:  # unhashable, or no weak reference to it
-        return make()
+    DataLoader made with the same settings (`key`), so that a new Loader every
+    epoch (`for b in fastpin.Loader(dl)`) does not page-lock and register its
+    arena again each epoch; kept while the DataLoader lives (a weak key: the
+    pool holds only its shape), as install() keeps its own. A Loader made while
+    another one reads that pool makes its own: a pool is sized for one Loader's
+    batches in flight."""
     with process.lock:
+        try:
+            table = process.loader_pools.setdefault(owner.loader, {})
+        except TypeError:  # unhashable, or no weak reference to it
+            return make()
         entry = table.get(key)
         if entry is not None and any(_reading(user) for user in entry[1]):
             return make()
