@@ -325,18 +325,18 @@ def _shared_pool(owner: Loader, key: tuple, make) -> Any:
     with process.lock:
         try:
             table = process.loader_pools.setdefault(owner.loader, {})
-        except TypeError:  # unhashable, or no weak reference to it
-            return make()
+        except TypeError:  # unhashable, or no weak reference to it: kept nowhere
+            table = {}
         entry = table.get(key)
-        if entry is not None and any(_reading(user) for user in entry[1]):
-            return make()
-        if entry is None:
-            users: "weakref.WeakSet[Loader]" = weakref.WeakSet()
-            table[key] = entry = (make(), users)
-        else:
-            entry[0].reclaim()  # blocks a previous epoch's killed workers held
-        entry[1].add(owner)
-        return entry[0]
+        if entry is None or not any(_reading(user) for user in entry[1]):
+            if entry is None:
+                users: "weakref.WeakSet[Loader]" = weakref.WeakSet()
+                table[key] = entry = (make(), users)
+            else:
+                entry[0].reclaim()  # blocks a previous epoch's killed workers held
+            entry[1].add(owner)
+            return entry[0]
+    return make()  # beside one that reads it: its own, made outside the lock
 
 
 def _reading(loader: Loader) -> bool:
