@@ -63,6 +63,10 @@ def _at_exit() -> None:
             pass
 
 
+# The thread of a producer not started: never alive.
+_UNSTARTED = threading.Thread(name="fastpin-loader (not started)")
+
+
 class _Failure:
     """An exception raised while producing a batch, re-raised by next()."""
 
@@ -111,12 +115,17 @@ class _Producer:
         # iterable): this thread waits for it to leave before reading the source,
         # so the dataset is never read by two threads at once.
         self.previous = previous if previous is not None and not _worker_backed(previous.source) else None
-        self.thread = threading.Thread(target=self.run, name="fastpin-loader", daemon=True)
+        # Made by start(): a thread made and never started would hold this
+        # producer (its run) in a reference cycle, and with it the epoch's
+        # mode and the DataLoader, until a gc pass (an epoch over workers is
+        # driven by the consumer and never starts it).
+        self.thread: threading.Thread = _UNSTARTED
         if start:
             self.start()
 
     def start(self) -> None:
         process.producers.add(self)
+        self.thread = threading.Thread(target=self.run, name="fastpin-loader", daemon=True)
         self.thread.start()
 
     def run(self) -> None:
