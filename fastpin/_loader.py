@@ -86,8 +86,9 @@ class Loader:
         DataLoader starts workers of its own. The shared arena (no `arena`
         given) is kept with the DataLoader, as install() keeps its own: a new
         Loader every epoch takes the one the last made (no page-locking and
-        registering again), one made while another Loader reads it makes its
-        own; it goes when the DataLoader does.
+        registering again), one made while another Loader reads it, or holds
+        it unread (two made for zip), makes its own; it goes when the
+        DataLoader does.
 
     Leaving an epoch (break, an exception, Ctrl-C, a new iter(), interpreter exit)
     never waits on the source: a DataLoader's workers are shut down when the epoch
@@ -320,7 +321,8 @@ def _shared_pool(owner: Loader, key: tuple, make) -> Any:
     epoch (`for b in fastpin.Loader(dl)`) does not page-lock and register its
     arena again each epoch; kept while the DataLoader lives (a weak key: the
     pool holds only its shape), as install() keeps its own. A Loader made while
-    another one reads that pool makes its own: a pool is sized for one Loader's
+    another one reads that pool, or holds it and has not been read yet (two
+    made for zip(a, b)), makes its own: a pool is sized for one Loader's
     batches in flight."""
     with process.lock:
         try:
@@ -328,7 +330,8 @@ def _shared_pool(owner: Loader, key: tuple, make) -> Any:
         except TypeError:  # unhashable, or no weak reference to it: kept nowhere
             table = {}
         entry = table.get(key)
-        if entry is None or not any(_reading(user) for user in entry[1]):
+        if entry is None or not any(_reading(user) or user._active is None
+                                    for user in entry[1]):
             if entry is None:
                 users: "weakref.WeakSet[Loader]" = weakref.WeakSet()
                 table[key] = entry = (make(), users)
@@ -340,7 +343,8 @@ def _shared_pool(owner: Loader, key: tuple, make) -> Any:
 
 
 def _reading(loader: Loader) -> bool:
-    """Whether an epoch of `loader` is under way (made, not ended or closed)."""
+    """Whether an epoch of `loader` is under way (made, not ended or closed);
+    `loader._active` is None until its first epoch."""
     epoch = loader._active() if loader._active is not None else None
     return epoch is not None and not epoch.closed
 

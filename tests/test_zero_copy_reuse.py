@@ -7,6 +7,7 @@ import gc
 import os
 import sys
 import time
+import weakref
 from multiprocessing import forkserver, resource_tracker
 
 import pytest
@@ -242,6 +243,28 @@ def test_loader_then_plain_then_loader_interleaved_epochs(method, nothing_left_b
     del dl, loader
 
 
+@pytest.mark.parametrize("copying", [False, True])
+def test_a_dataloader_dropped_after_a_loader_goes_at_once(copying, nothing_left_behind):
+    """Nothing of a finished epoch holds the DataLoader in a reference cycle: it
+    goes, with its own persistent iterator, when the user drops it. Had it waited
+    for a gc pass, multiprocessing's finalizers would close that iterator's
+    queues before its __del__ could tell the workers to leave: each then took
+    the 5 s join timeout and was terminated (never joined on torch 2.11)."""
+    dl = dataloader("fork", persistent=True)
+    loader = zero_copy(dl) if not copying else fastpin.Loader(dl, device=None, zero_copy=False)
+    check(loader)
+    check(dl)
+    workers = list(dl._iterator._workers)
+    gone = weakref.ref(dl)
+    gc.disable()
+    try:
+        del dl, loader
+        assert gone() is None, "the DataLoader waits for a gc pass"
+    finally:
+        gc.enable()
+    assert [w.exitcode for w in workers] == [0, 0]  # left when told, joined
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_dataloader_attributes_are_untouched(workers, nothing_left_behind):
     dl = dataloader("fork", persistent=False, workers=workers)
@@ -389,4 +412,16 @@ def test_a_new_loader_every_epoch_takes_the_arena_of_the_last(persistent, nothin
     assert beside._pool is not pool
     check(beside)
     assert len(list(reading)) == NBATCHES - 1
-    del reading, again, beside, dl
+    del reading, again, beside
+    # Two made before either is read (zip(a, b)): each its own as well.
+    a, b = zero_copy(dl, capacity=None), zero_copy(dl, capacity=None)
+    assert a._pool is not b._pool
+    for _ in range(2):
+        pairs = list(zip(a, b))
+        check(p[0] for p in pairs)
+        check(p[1] for p in pairs)
+        del pairs
+    assert a.stats()["fallbacks"] == b.stats()["fallbacks"] == 0
+    del a, b
+    assert zero_copy(dl, capacity=None)._pool is pool  # and every epoch after, the kept one
+    del dl
