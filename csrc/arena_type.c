@@ -403,14 +403,16 @@ static PyObject *Arena_get_attached(ArenaObject *self, void *Py_UNUSED(c))
 
 static PyMethodDef Arena_methods[] = {
     {"pin_batch", (PyCFunction)Arena_pin_batch, METH_VARARGS,
-     "pin_batch(leaves, check_pinned) -> list | None\n"
+     "pin_batch(leaves, check_pinned, lo=1, hi=0) -> list | None\n"
      "A batch's leaves, plain torch tensors and NumPy arrays that one memcpy each\n"
      "copies, into one block (each at a GRANULE-aligned offset): the pinned views,\n"
      "in order (counted in pin_counts()). None: a leaf needs the Python pipeline\n"
      "(another type, a gather, autograd, torch not yet registered by use_torch);\n"
-     "nothing was allocated. With check_pinned, pinned tensors come back as they are."},
+     "nothing was allocated. With check_pinned, pinned tensors come back as they are.\n"
+     "A batch of lo to hi bytes of torch tensors alone is filled by torch's copy_\n"
+     "(its intra-op threads) instead of the copy pool."},
     {"pin_tree", (PyCFunction)(void (*)(void))Arena_pin_tree, METH_FASTCALL,
-     "pin_tree(data, check_pinned) -> pinned data | NotImplemented\n"
+     "pin_tree(data, check_pinned, lo=1, hi=0) -> pinned data | NotImplemented\n"
      "pin_batch for a whole batch: a leaf, or exact lists, tuples and dicts of\n"
      "leaves and of None, bool, int, float, str and bytes (nested up to 32 deep),\n"
      "rebuilt with the pinned views. NotImplemented: something in it needs the\n"

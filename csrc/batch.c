@@ -323,11 +323,57 @@ static PyObject *fp_batch_views(fp_state *st, fp_batch_t *b, PyObject **items, P
     return outs;
 }
 
+/* Bytes of leaf data that torch's copy_ fills instead of the copy pool: a
+ * batch of lo to hi bytes whose leaves placed are all torch tensors. */
+typedef struct {
+    uint64_t lo, hi;
+} fp_span_t;
+
+/* Whether torch's copy_ fills this batch (see fp_span_t). */
+static int fp_by_torch(const fp_batch_t *b, Py_ssize_t n, uint64_t data, const fp_span_t *span)
+{
+    if (!span || data < span->lo || data > span->hi)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (b->leaves[i].kind == FP_LEAF_ARRAY)
+            return 0;
+    return 1;
+}
+
+/* Fills the views of a reserved block by torch's Tensor.copy_, leaf by leaf
+ * (torch's intra-op threads, the GIL released): where the calling thread has
+ * several, they stay hot between calls, and at 1-16 MiB beat the pool. A leaf
+ * whose dtype torch cannot copy (a shell dtype) is copied by memcpy. 0, or -1
+ * with an exception. */
+static int fp_torch_fill(fp_state *st, const fp_batch_t *b, Py_ssize_t n, PyObject *views,
+                         const char *base)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const fp_leaf_t *l = &b->leaves[i];
+        if (l->kind != FP_LEAF_TENSOR || !l->nbytes)
+            continue;
+        PyObject *r = PyObject_CallMethodOneArg(PyList_GET_ITEM(views, i),
+                                                st->names[FP_NAME_COPY_], l->leaf);
+        if (r) {
+            Py_DECREF(r);
+            continue;
+        }
+        if (!PyErr_ExceptionMatches(PyExc_RuntimeError) &&
+            !PyErr_ExceptionMatches(PyExc_TypeError))
+            return -1;
+        PyErr_Clear();
+        Py_BEGIN_ALLOW_THREADS
+        memcpy((char *)base + l->offset, l->src, l->nbytes);
+        Py_END_ALLOW_THREADS
+    }
+    return 0;
+}
+
 /* The pinned views of `items` (n leaves, held by the caller) in a new list;
  * Py_None when a leaf needs the Python pipeline (nothing allocated); NULL
- * with an exception. */
+ * with an exception. by_torch: see fp_span_t (NULL: the pool copies). */
 static PyObject *fp_pin_items(fp_state *st, ArenaObject *self, PyObject **items, Py_ssize_t n,
-                              int check_pinned)
+                              int check_pinned, const fp_span_t *by_torch)
 {
     fp_batch_t b = {.leaves = PyMem_Calloc((size_t)n + 1, sizeof *b.leaves)};
     fp_copy_t *copies = PyMem_Calloc((size_t)n + 1, sizeof *copies);
@@ -358,6 +404,10 @@ static PyObject *fp_pin_items(fp_state *st, ArenaObject *self, PyObject **items,
         PyErr_Format(st->ArenaFullError, "pin_batch: more bytes than any arena holds (2**43)");
         goto done;
     }
+    int torch_fills = placed && fp_by_torch(&b, n, data, by_torch);
+    if (torch_fills)
+        for (Py_ssize_t i = 0; i < placed; i++)
+            copies[i].src = NULL; /* the block only reserved: torch fills its views */
     if (placed) {
         fp_lease_t *lease;
         if (fp_pin_copies(st, self->arena, copies, offsets, placed, total, &lease))
@@ -365,7 +415,11 @@ static PyObject *fp_pin_items(fp_state *st, ArenaObject *self, PyObject **items,
         if (!(block = Block_wrap(st, lease)))
             goto done;
     }
-    if ((result = fp_batch_views(st, &b, items, n, block))) {
+    if ((result = fp_batch_views(st, &b, items, n, block)) && torch_fills &&
+        fp_torch_fill(st, &b, n, result, (const char *)((BlockObject *)block)->lease->ptr))
+        Py_CLEAR(result); /* its views go, and with them the block */
+    if (result) {
+        st->pinned.by_torch += (uint64_t)torch_fills;
         st->pinned.batches++;
         st->pinned.leaves += (uint64_t)placed;
         st->pinned.bytes += data;
@@ -384,7 +438,9 @@ PyObject *Arena_pin_batch(ArenaObject *self, PyObject *args)
     fp_state *st = fp_state_of_type(Py_TYPE(self));
     PyObject *list;
     int check_pinned;
-    if (!PyArg_ParseTuple(args, "O!p:pin_batch", &PyList_Type, &list, &check_pinned))
+    fp_span_t span = {1, 0}; /* none: lo > hi */
+    if (!PyArg_ParseTuple(args, "O!p|KK:pin_batch", &PyList_Type, &list, &check_pinned,
+                          &span.lo, &span.hi))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(list);
     PyObject **items = PyMem_Malloc(((size_t)n + 1) * sizeof *items);
@@ -393,7 +449,7 @@ PyObject *Arena_pin_batch(ArenaObject *self, PyObject *args)
     /* Held: Python code may run meanwhile (a tensor's attributes) and change the list. */
     for (Py_ssize_t i = 0; i < n; i++)
         items[i] = Py_NewRef(PyList_GET_ITEM(list, i));
-    PyObject *result = fp_pin_items(st, self, items, n, check_pinned);
+    PyObject *result = fp_pin_items(st, self, items, n, check_pinned, &span);
     for (Py_ssize_t i = 0; i < n; i++)
         Py_DECREF(items[i]);
     PyMem_Free(items);
@@ -544,12 +600,19 @@ PyObject *Arena_pin_tree(ArenaObject *self, PyObject *const *args, Py_ssize_t na
 {
     fp_state *st = fp_state_of_type(Py_TYPE(self));
     int check_pinned;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "pin_tree takes 2 arguments (%zd given)", nargs);
+    fp_span_t span = {1, 0}; /* none: lo > hi */
+    if (nargs != 2 && nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "pin_tree takes 2 or 4 arguments (%zd given)", nargs);
         return NULL;
     }
     if ((check_pinned = PyObject_IsTrue(args[1])) < 0)
         return NULL;
+    if (nargs == 4) {
+        span.lo = PyLong_AsUnsignedLongLong(args[2]);
+        span.hi = PyLong_AsUnsignedLongLong(args[3]);
+        if (PyErr_Occurred())
+            return NULL;
+    }
     fp_tree_t t = {0};
     PyObject *result = NULL;
     int walked = fp_tree_walk(st, &t, args[0], 0);
@@ -557,7 +620,8 @@ PyObject *Arena_pin_tree(ArenaObject *self, PyObject *const *args, Py_ssize_t na
         result = Py_NewRef(Py_NotImplemented);
     if (walked <= 0)
         goto done;
-    PyObject *outs = fp_pin_items(st, self, t.leaves, (Py_ssize_t)t.nleaves, check_pinned);
+    PyObject *outs = fp_pin_items(st, self, t.leaves, (Py_ssize_t)t.nleaves, check_pinned,
+                                  &span);
     if (outs == Py_None)
         result = Py_NewRef(Py_NotImplemented);
     else if (outs) {
@@ -574,9 +638,10 @@ done:
 PyObject *fp_pin_counts(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
     fp_state *st = PyModule_GetState(module);
-    return Py_BuildValue("(KKK)", (unsigned long long)st->pinned.batches,
+    return Py_BuildValue("(KKKK)", (unsigned long long)st->pinned.batches,
                          (unsigned long long)st->pinned.leaves,
-                         (unsigned long long)st->pinned.bytes);
+                         (unsigned long long)st->pinned.bytes,
+                         (unsigned long long)st->pinned.by_torch);
 }
 
 PyObject *fp_use_torch(PyObject *module, PyObject *args)
@@ -595,7 +660,7 @@ PyObject *fp_use_torch(PyObject *module, PyObject *args)
         [FP_NAME_REQUIRES_GRAD] = "requires_grad", [FP_NAME_IS_NEG] = "is_neg",
         [FP_NAME_IS_CONJ] = "is_conj", [FP_NAME_IS_PINNED] = "is_pinned",
         [FP_NAME_DTYPE] = "dtype", [FP_NAME_VIEW] = "view",
-        [FP_NAME_REQUIRES_GRAD_] = "requires_grad_"};
+        [FP_NAME_REQUIRES_GRAD_] = "requires_grad_", [FP_NAME_COPY_] = "copy_"};
     for (int i = 0; i < FP_NAMES; i++)
         if (!st->names[i] && !(st->names[i] = PyUnicode_InternFromString(names[i])))
             return NULL;

@@ -543,7 +543,8 @@ done:
 
 static PyMethodDef fp_methods[] = {
     {"pin_counts", fp_pin_counts, METH_NOARGS,
-     "pin_counts() -> (batches, leaves, bytes) that Arena.pin_batch placed in this process."},
+     "pin_counts() -> (batches, leaves, bytes, by_torch): what Arena.pin_tree and\n"
+     "pin_batch placed in this process; by_torch: the batches torch's copy_ filled."},
     {"use_torch", fp_use_torch, METH_VARARGS,
      "use_torch(Tensor, api) -> bool\nLet pin_batch take torch tensors, through torch's\n"
      "DLPack C exchange API (the capsule Tensor.__dlpack_c_exchange_api__);\n"

@@ -21,6 +21,7 @@ enum {
     FP_NAME_DTYPE = FP_FLAGS,
     FP_NAME_VIEW,
     FP_NAME_REQUIRES_GRAD_, /* the method (block_record.c) */
+    FP_NAME_COPY_,          /* Tensor.copy_: a batch copied by torch (batch.c) */
     FP_NAMES
 };
 
@@ -50,6 +51,7 @@ typedef struct {
                                  8-bit int and uint codes (batch.c), or NULL */
     struct {
         uint64_t batches, leaves, bytes;
+        uint64_t by_torch;    /* of the batches, those torch's copy_ filled */
     } pinned;                 /* what pin_batch placed in this process; under the GIL */
 } fp_state;
 

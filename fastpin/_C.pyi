@@ -145,12 +145,16 @@ class Arena:
     ) -> tuple[Block, tuple[int, ...]]:
         """Copy every (address, nbytes) source into one new block at align-aligned
         offsets (address 0 only reserves room); returns the block and the offsets."""
-    def pin_batch(self, leaves: list[Any], check_pinned: bool, /) -> list[Any] | None:
+    def pin_batch(self, leaves: list[Any], check_pinned: bool, lo: int = ..., hi: int = ...,
+                  /) -> list[Any] | None:
         """pin_memory's fast path: plain torch tensors (once use_torch ran) and NumPy
         arrays that one memcpy each copies, into one block at GRANULE-aligned
         offsets; their views in order, or None (nothing allocated) when a leaf
-        needs the Python pipeline. check_pinned: pinned tensors come back as is."""
-    def pin_tree(self, data: Any, check_pinned: bool, /) -> Any:
+        needs the Python pipeline. check_pinned: pinned tensors come back as is.
+        A batch of lo to hi bytes of torch tensors alone is filled by torch's
+        copy_ (its intra-op threads) instead of the copy pool."""
+    def pin_tree(self, data: Any, check_pinned: bool, lo: int = ..., hi: int = ...,
+                 /) -> Any:
         """pin_batch for a whole batch: a leaf, or exact lists, tuples and dicts of
         leaves and of None, bool, int, float, str and bytes (up to 32 deep), rebuilt
         around the pinned views; NotImplemented (nothing allocated) when something
@@ -184,8 +188,9 @@ def h2d(
 def use_torch(tensor_type: type, api: Any, /) -> bool:
     """Let Arena.pin_batch take torch tensors through torch's DLPack C exchange
     API (Tensor.__dlpack_c_exchange_api__); False where that API is unusable."""
-def pin_counts() -> tuple[int, int, int]:
-    """(batches, leaves, bytes) that Arena.pin_batch placed in this process."""
+def pin_counts() -> tuple[int, int, int, int]:
+    """(batches, leaves, bytes, by_torch) that Arena.pin_tree and pin_batch placed
+    in this process; by_torch: the batches torch's copy_ filled."""
 def cuda_status() -> _CudaStatus: ...
 def capture_begin() -> None:
     """A CUDA graph capture begins in this process: free fences wait until it ends."""

@@ -83,19 +83,19 @@ class GrowingArena:
 
     # ---- placing a batch -------------------------------------------------------------
 
-    def pin_tree(self, data: Any, check_pinned: bool) -> Any:
+    def pin_tree(self, data: Any, check_pinned: bool, *span: int) -> Any:
         segments = self.segments
         try:
-            return segments[0].pin_tree(data, check_pinned)
+            return segments[0].pin_tree(data, check_pinned, *span)
         except _C.ArenaFullError:
-            return self._place(segments[0], _C.Arena.pin_tree, (data, check_pinned))
+            return self._place(segments[0], _C.Arena.pin_tree, (data, check_pinned, *span))
 
-    def pin_batch(self, leaves: list, check_pinned: bool) -> Optional[list]:
+    def pin_batch(self, leaves: list, check_pinned: bool, *span: int) -> Optional[list]:
         segments = self.segments
         try:
-            return segments[0].pin_batch(leaves, check_pinned)
+            return segments[0].pin_batch(leaves, check_pinned, *span)
         except _C.ArenaFullError:
-            return self._place(segments[0], _C.Arena.pin_batch, (leaves, check_pinned))
+            return self._place(segments[0], _C.Arena.pin_batch, (leaves, check_pinned, *span))
 
     def pin(self, sources, *align):
         segments = self.segments

@@ -10,26 +10,28 @@ from typing import Any, Optional
 
 from . import _C, _graphs
 from ._arena import ON_FULL, cuda_available, default_arena, made_default_arena
-from ._dtypes import torch_carrier
 from ._grow import GrowingArena
 from ._runtime import count, counts, first, settings
-from ._leaves import Plan, contiguous_strides, is_leaf, _from_capsule
+from ._leaves import Plan, is_leaf
 from ._walk import flatten, unflatten
 
 log = logging.getLogger("fastpin")
 
 # ---- how the bytes are copied (not yet user settings: measurements pick them) ----
 
-# A batch of plain torch tensors whose bytes in all lie in [lo, hi] is copied by
-# torch's own Tensor.copy_ into views of a reserved block: torch's intra-op
-# threads, which stay hot between calls, with the GIL released; only where the
-# calling thread has more than one of them (the DataLoader's pin thread has
-# one, and there the pool is faster at every size). None: never (the copy pool
-# copies every batch). 1-16 MiB: on the H100 machine (16 CPUs,
-# benchmarks/pin_cutover.py --recommend, 2026-12-06) torch's copy_ there took
-# 1.4-6.9x the pool's GB/s at 1, 2, 4, 8 and 16 MiB, cache-hot and cold, and
-# less at 64-256 KiB (0.3-0.55x hot) and from 64 MiB (0.37-0.70x, but for
-# 1.04x at 64 MiB cold).
+# A batch of torch tensors alone (the C path's: Arena.pin_tree, pin_batch)
+# whose bytes in all lie in [lo, hi] is copied by torch's own Tensor.copy_ into
+# views of a reserved block: torch's intra-op threads, which stay hot between
+# calls, with the GIL released; only where the calling thread has more than one
+# of them (the DataLoader's pin thread has one, and there the pool is faster at
+# every size). None: never (the copy pool copies every batch). The views are
+# made and filled in the same C call that reserves the block (batch.c), so the
+# range costs what the pool's path does around the copy: about 1.8 us a call on
+# the H100 machine, where torch's own pin spends about 1.7 on its allocator.
+# 1-16 MiB: on the H100 machine (16 CPUs, benchmarks/pin_cutover.py --recommend,
+# 2026-12-06) torch's copy_ there took 1.4-6.9x the pool's GB/s at 1, 2, 4, 8
+# and 16 MiB, cache-hot and cold, and less at 64-256 KiB (0.3-0.55x hot) and
+# from 64 MiB (0.37-0.70x, but for 1.04x at 64 MiB cold).
 _torch_copy: Optional[tuple] = (1 << 20, 16 << 20)
 
 # The copy pool's knobs (_C.set_copy_tuning's keywords, and spin and streaming).
@@ -181,11 +183,19 @@ def pin_with_policy(arena, plan, on_full: str):
 _torch_seen = False
 
 
+def _no_torch_threads() -> int:
+    return 0
+
+
+_torch_threads = _no_torch_threads  # torch.get_num_threads once torch is seen
+
+
 def _use_torch() -> None:
     """Let Arena.pin_tree read and make torch tensors (through torch's DLPack C
     exchange API, where this torch has it), once torch is imported."""
-    global _torch_seen
+    global _torch_seen, _torch_threads
     torch = sys.modules["torch"]
+    _torch_threads = torch.get_num_threads
     api = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
     if api is not None and not _C.use_torch(torch.Tensor, api):
         log.debug("fastpin: torch's DLPack exchange API is of another version; "
@@ -232,21 +242,20 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     fast_arena = arena if arena is not None else made_default_arena(device)
     spec = None
     if fast_arena is not None:
-        if _torch_copy is not None and _torch_seen:
-            out = _pin_by_torch(data, fast_arena, cuda)
-            if out is not None:
-                return out
+        # A batch of torch tensors alone of _torch_copy's size is filled by
+        # torch's copy_, where this thread has several torch threads.
+        span = _torch_copy if _torch_copy is not None and _torch_threads() > 1 else ()
         try:
             # One C call for the common batch (lists, tuples and dicts of plain
             # tensors and arrays, each one memcpy).
-            out = fast_arena.pin_tree(data, cuda)
+            out = fast_arena.pin_tree(data, cuda, *span)
             if out is not NotImplemented:
                 return out
             # Other containers (namedtuples, Mappings, dataclasses) are walked
             # here, and their leaves still placed in one C call; None: a leaf
             # needs the Python pipeline below.
             spec, leaves = flatten(data, is_leaf)  # one walk: the rebuild uses it
-            outs = fast_arena.pin_batch(leaves, cuda)
+            outs = fast_arena.pin_batch(leaves, cuda, *span)
             if outs is not None:
                 return unflatten(spec, outs)
         except _C.ArenaFullError:
@@ -272,66 +281,6 @@ def _pin_planned(spec, leaves: list, device: Any, arena: Optional[_C.Arena],
     out = unflatten(spec, plan.host(block))
     count(batches=1, leaves=plan.placed, nbytes=plan.data_bytes)
     return out
-
-
-def _torch_leaves(data) -> Optional[list]:
-    """The tensors of a batch that torch's copy_ can pin: `data` itself, or the
-    values of a plain tuple, list or dict of them, each a plain dense CPU tensor
-    that autograd does not track; None for any other batch."""
-    tensor = sys.modules["torch"].Tensor
-    cls = type(data)
-    if cls is tensor:
-        return [data]
-    if cls is tuple or cls is list:
-        leaves = list(data)
-    elif cls is dict:
-        leaves = list(data.values())
-    else:
-        return None
-    return leaves if leaves and all(type(t) is tensor for t in leaves) else None
-
-
-def _pin_by_torch(data, arena, cuda: bool) -> Any:
-    """pin_memory by torch's copy_ into views of one reserved block, for batches
-    of _torch_copy's size; None: this batch goes the ordinary way (its size or
-    its leaves, or the arena is full, whose policy the ordinary way applies)."""
-    span, leaves = _torch_copy, _torch_leaves(data)
-    if span is None or leaves is None:
-        return None
-    torch = sys.modules["torch"]
-    strided, total = torch.strided, 0
-    for t in leaves:  # its size first: this runs on every batch (no generators: slower)
-        if t.layout is not strided or t.is_nested:
-            return None  # sparse, nested...: no nbytes to size them by; the pipeline takes them
-        total += t.nbytes
-    if not span[0] <= total <= span[1] or torch.get_num_threads() < 2:
-        return None  # its size, or torch would copy on this thread alone
-    for t in leaves:
-        if (not t.is_cpu or t.requires_grad or not t.is_contiguous() or t.is_conj()
-                or t.is_neg() or not t.nbytes or torch_carrier(t.dtype) is None
-                or (cuda and t.is_pinned())):
-            return None
-    try:
-        block, offsets = arena.pin([(0, t.nbytes) for t in leaves])
-    except _C.ArenaFullError:
-        return None
-    from_capsule = _from_capsule()
-    outs = []
-    for t, offset in zip(leaves, offsets):
-        (code, bits, lanes), view_as = torch_carrier(t.dtype)
-        view = from_capsule(block.dlpack(offset, tuple(t.shape), contiguous_strides(t.shape),
-                                         code, bits, lanes))
-        if view_as is not None:
-            view = view.view(view_as)
-        view.copy_(t)
-        outs.append(view)
-    count(batches=1, leaves=len(outs), nbytes=total)
-    cls = type(data)
-    if cls is dict:
-        return dict(zip(data.keys(), outs))
-    if cls is tuple:
-        return tuple(outs)
-    return outs if cls is list else outs[0]
 
 
 _tune_from_environment()

@@ -282,9 +282,12 @@ def test_pin_tree_keeps_sub_byte_dtypes(arena):
         assert_same(o, x)
 
 
-def test_pin_tree_takes_two_arguments(arena):
-    with pytest.raises(TypeError, match="2 arguments"):
-        arena.pin_tree([])
+def test_pin_tree_takes_two_or_four_arguments(arena):
+    for args in [([],), ([], False, 1)]:
+        with pytest.raises(TypeError, match="2 or 4 arguments"):
+            arena.pin_tree(*args)
+    with pytest.raises(OverflowError):
+        arena.pin_tree([], False, -1, 2)
 
 
 def test_pin_memory_of_a_batch_without_leaves_rebuilds_it(arena):
