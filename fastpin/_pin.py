@@ -28,11 +28,16 @@ log = logging.getLogger("fastpin")
 # made and filled in the same C call that reserves the block (batch.c), so the
 # range costs what the pool's path does around the copy: about 1.8 us a call on
 # the H100 machine, where torch's own pin spends about 1.7 on its allocator.
-# 1-16 MiB: on the H100 machine (16 CPUs, benchmarks/pin_cutover.py --recommend,
-# 2026-12-06) torch's copy_ there took 1.4-6.9x the pool's GB/s at 1, 2, 4, 8
-# and 16 MiB, cache-hot and cold, and less at 64-256 KiB (0.3-0.55x hot) and
-# from 64 MiB (0.37-0.70x, but for 1.04x at 64 MiB cold).
-_torch_copy: Optional[tuple] = (1 << 20, 16 << 20)
+# 256 KiB-16 MiB, from benchmarks/pin_cutover.py (2026-12-06). On the H100
+# machine (16 CPUs, --recommend) torch's copy_ took 1.4-6.9x the pool's GB/s at
+# 1, 2, 4, 8 and 16 MiB, cache-hot and cold, and from 64 MiB less (0.37-0.70x,
+# but for 1.04x at 64 MiB cold); once the copy moved into the C call, at 256 KiB
+# as much as the pool hot (27.8 against 27.9 GB/s) and 1.8x cold (21.9 against
+# 12.0), and at 64 KiB half (7.2 against 14.0 hot). On the 2-core CPU machine
+# (2 torch threads) the same: 1.0x hot and 1.25x cold at 256 KiB, 1.24x and
+# 1.46x at 512 KiB, 0.63-0.79x at 64 KiB, at up to twice the pool's CPU per GB
+# (torch's threads wait for the next call spinning).
+_torch_copy: Optional[tuple] = (256 << 10, 16 << 20)
 
 # The copy pool's knobs (_C.set_copy_tuning's keywords, and spin and streaming).
 _POOL_SIZES = ("inline_max", "inline_spin", "stream_min", "chunk_min", "chunk_max",
@@ -208,7 +213,7 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
                on_full: Optional[str] = None) -> Any:
     """Return `data` with every tensor and NumPy array leaf copied into page-locked
     memory, in one block of fastpin's arena, by its copy threads with the GIL
-    released (a batch of 1-16 MiB of plain tensors, where the calling thread has
+    released (a batch of 256 KiB-16 MiB of plain tensors, where the calling thread has
     more than one torch thread, by torch's own copy_ on those threads: faster
     there). The structure comes back as it went in (see _walk.map_leaves); torch
     tensors stay torch tensors and arrays stay arrays, subclasses and autograd as

@@ -821,11 +821,11 @@ def test_torch_copy_only_in_its_range(arena, torch_copy):
         assert torch_copy.taken[-1] is taken, nbytes
 
 
-def test_torch_copy_by_default_for_1_to_16_mib(arena, torch_copy):
+def test_torch_copy_by_default_for_256_kib_to_16_mib(arena, torch_copy):
     # Chosen on the H100 machine (benchmarks/pin_cutover.py --recommend).
-    assert _pin.copy_tuning()["torch_copy"] == (1 << 20, 16 << 20)
-    for nbytes, taken in [(512 << 10, False), (1 << 20, True), (16 << 20, True),
-                          (32 << 20, False)]:
+    assert _pin.copy_tuning()["torch_copy"] == (256 << 10, 16 << 20)
+    for nbytes, taken in [((256 << 10) - 1, False), (256 << 10, True), (16 << 20, True),
+                          ((16 << 20) + 1, False)]:
         x = patterned((nbytes,), torch.uint8, nbytes)
         assert_same(fastpin.pin_memory(x, arena=arena), x)
         assert torch_copy.taken[-1] is taken, nbytes
