@@ -342,7 +342,8 @@ static int fp_by_torch(const fp_batch_t *b, Py_ssize_t n, uint64_t data, const f
 
 /* Fills the views of a reserved block by torch's Tensor.copy_, leaf by leaf
  * (torch's intra-op threads, the GIL released): where the calling thread has
- * several, they stay hot between calls, and at 1-16 MiB beat the pool. A leaf
+ * several, they stay hot between calls, and in the range the caller gives
+ * (fastpin/_pin.py's _torch_copy) beat the pool. A leaf
  * whose dtype torch cannot copy (a shell dtype) is copied by memcpy. 0, or -1
  * with an exception. */
 static int fp_torch_fill(fp_state *st, const fp_batch_t *b, Py_ssize_t n, PyObject *views,
