@@ -340,14 +340,14 @@ static int fp_by_torch(const fp_batch_t *b, Py_ssize_t n, uint64_t data, const f
     return 1;
 }
 
-/* Fills the views of a reserved block by torch's Tensor.copy_, leaf by leaf
- * (torch's intra-op threads, the GIL released): where the calling thread has
- * several, they stay hot between calls, and in the range the caller gives
- * (fastpin/_pin.py's _torch_copy) beat the pool. A leaf
- * whose dtype torch cannot copy (a shell dtype) is copied by memcpy. 0, or -1
- * with an exception. */
+/* Fills the views of a reserved block (its first byte at base) by torch's
+ * Tensor.copy_, leaf by leaf (torch's intra-op threads, the GIL released):
+ * where the calling thread has several, they stay hot between calls, and in
+ * the range the caller gives (fastpin/_pin.py's _torch_copy) beat the pool. A
+ * leaf whose dtype torch cannot copy (a shell dtype) is copied by memcpy. 0,
+ * or -1 with an exception. */
 static int fp_torch_fill(fp_state *st, const fp_batch_t *b, Py_ssize_t n, PyObject *views,
-                         const char *base)
+                         char *base)
 {
     for (Py_ssize_t i = 0; i < n; i++) {
         const fp_leaf_t *l = &b->leaves[i];
@@ -364,7 +364,7 @@ static int fp_torch_fill(fp_state *st, const fp_batch_t *b, Py_ssize_t n, PyObje
             return -1;
         PyErr_Clear();
         Py_BEGIN_ALLOW_THREADS
-        memcpy((char *)base + l->offset, l->src, l->nbytes);
+        memcpy(base + l->offset, l->src, l->nbytes);
         Py_END_ALLOW_THREADS
     }
     return 0;
@@ -417,7 +417,7 @@ static PyObject *fp_pin_items(fp_state *st, ArenaObject *self, PyObject **items,
             goto done;
     }
     if ((result = fp_batch_views(st, &b, items, n, block)) && torch_fills &&
-        fp_torch_fill(st, &b, n, result, (const char *)((BlockObject *)block)->lease->ptr))
+        fp_torch_fill(st, &b, n, result, ((BlockObject *)block)->lease->ptr))
         Py_CLEAR(result); /* its views go, and with them the block */
     if (result) {
         st->pinned.by_torch += (uint64_t)torch_fills;

@@ -339,7 +339,7 @@ def _shared_pool(owner: Loader, key: tuple, make) -> Any:
                 entry[0].reclaim()  # blocks a previous epoch's killed workers held
             entry[1].add(owner)
             return entry[0]
-    return make()  # beside one that reads it: its own, made outside the lock
+    return make()  # beside one that reads it or holds it unread: its own, made outside the lock
 
 
 def _reading(loader: Loader) -> bool:
