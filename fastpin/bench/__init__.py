@@ -6,13 +6,14 @@ the GPU through the stock DataLoader(pin_memory=True) and, with the ratio to it,
 the timm prefetcher, install(), every path that delivers to the GPU and
 fastpin.Loader; and the training case's images/s. Each case's details follow.
 
-Cases (--case, repeatable; default: all but loader_images; --quick: pin_sizes,
-images_u8, tokens, recsys):
+Cases (--case, repeatable; default: all but train_step and loader_images; --quick:
+pin_sizes, images_u8, tokens, recsys):
 
   pin_sizes     pin_memory of one batch of 64 KiB to 256 MiB: the machine's memcpy
                 rates, torch's pinning with 1 and N threads, fastpin.pin_memory
   train_step    a training step with compute C and transfer T (C < T, C > T):
-                stock .to(), the timm/Apex prefetcher, fastpin.Loader (GPU only)
+                stock .to(), the timm/Apex prefetcher, fastpin.Loader (GPU only;
+                when asked for)
   loader_images DataLoader delivered GB/s, uint8 and float32 images, batch 256, 8 and
                 N workers: pin_memory=True, fastpin.Loader, zero-copy (when asked for)
   train_model   training resnet18 (torchvision's or timm's) on in-memory images,
@@ -34,7 +35,8 @@ The seven workload cases go through the paths (--path, repeatable):
   prefetcher    the timm/Apex side-stream prefetcher over DataLoader(pin_memory=True)
   fastpin_pin   DataLoader(pin_memory=False); fastpin.pin_memory(batch); then .to()
   loader_host   fastpin.Loader(loader, device=None): pinned host batches; then .to()
-  loader_cuda   fastpin.Loader(loader, device="cuda"): batches arrive on the GPU
+  loader_cuda   fastpin.Loader(loader, device="cuda", zero_copy=False): batches
+                arrive on the GPU (when asked for)
   zero_copy     fastpin.Loader(loader, zero_copy=True): workers collate into the
                 shared pinned arena (device "cuda", or None where there is no GPU)
   install       DataLoader(pin_memory=True) after fastpin.install(): the same

@@ -79,12 +79,12 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", action="append", choices=CASE_NAMES + ("all",),
                         help="a case to run (repeatable; default: every case but "
-                             "loader_images, and those that need a GPU where there is none; "
+                             "loader_images and train_step, and those that need a GPU where there is none; "
                              "all: every case)")
     parser.add_argument("--path", action="append", choices=tuple(PATHS),
                         help="a path to run in the workload cases (repeatable; default: every "
-                             "path that can run here, but fastpin_pin and loader_host where "
-                             "batches go to a GPU)")
+                             "path that can run here, but fastpin_pin, loader_host and "
+                             "loader_cuda where batches go to a GPU)")
     parser.add_argument("--workers", type=_number(int, 0), nargs="+",
                         help="DataLoader workers (default: one per core but one, N; "
                              "loader_images: N, and 8 too where N > 8; train_model: N, at "
@@ -182,16 +182,16 @@ def _cases(args: argparse.Namespace, gpu: bool) -> list:
 def _paths(args: argparse.Namespace, target, host_reason: str) -> list:
     """The workload cases' paths: those --path names, else those that can run here:
     on the host every one; delivering to a GPU the stock path and the summary's
-    (pageable and fastpin's host-pinning paths, fastpin_pin and loader_host, when
-    named: a default run fits in four minutes); --quick: the stock path and the
-    summary's. A named path that cannot run is left out of the tables, and the
-    report says why."""
+    but the copying Loader (pageable, fastpin's host-pinning paths, fastpin_pin and
+    loader_host, and loader_cuda when named: a default run fits in four minutes);
+    --quick: the stock path and the summary's. A named path that cannot run is left
+    out of the tables, and the report says why."""
     if args.path:
         return [p for p in PATHS if p in args.path]
     stock = "pin_memory" if target is not None else "pageable"
 
     def wanted(p: str) -> bool:
-        if p == stock or PATHS[p].in_summary:
+        if p == stock or (PATHS[p].in_summary and PATHS[p].in_default):
             return True
         return not args.quick and target is None
 

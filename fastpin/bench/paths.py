@@ -206,6 +206,7 @@ class PathInfo:
     torch_pinning: bool = False  # measures torch's own pinning (fastpin.install() lifted)
     headline: bool = False    # in the summary though it does not deliver to the GPU alone
     short: str = ""           # the summary's column heading (default: label)
+    in_default: bool = True   # run unless --path names the paths (to a GPU: the summary's)
 
     @property
     def in_summary(self) -> bool:
@@ -223,11 +224,11 @@ PATHS: dict = {}
 
 def _path(name: str, label: str, what: str, *, cuda_target: bool = False, gpu: bool = False,
           uses_fastpin: bool = False, torch_pinning: bool = False, headline: bool = False,
-          short: str = ""):
+          short: str = "", in_default: bool = True):
     """Registers the factory under it as path `name` (PATHS keeps this file's order)."""
     def register(make: Callable[[PathRun], Iterator]) -> Callable[[PathRun], Iterator]:
         PATHS[name] = PathInfo(name, label, what, cuda_target, gpu, uses_fastpin, make,
-                               torch_pinning, headline, short)
+                               torch_pinning, headline, short, in_default)
         return make
     return register
 
@@ -271,8 +272,9 @@ def _loader_host(run: PathRun) -> Iterator:
 
 
 @_path("loader_cuda", "Loader(device=cuda)",
-       "fastpin.Loader(loader, device='cuda'): copied on a side stream", cuda_target=True,
-       gpu=True, uses_fastpin=True, short="Loader copy")
+       "fastpin.Loader(loader, device='cuda'): copied on a side stream (run when named: "
+       "zero-copy is the Loader's default)", cuda_target=True, gpu=True, uses_fastpin=True,
+       short="Loader copy", in_default=False)
 def _loader_cuda(run: PathRun) -> Iterator:
     run.loader = fastpin.Loader(no_pin(run.factory(False)), device=run.target, depth=run.depth,
                                 arena=run.own_arena(), zero_copy=False)

@@ -14,7 +14,8 @@ memory, batch 256, in two forms:
 Paths (the workload cases' own, from fastpin.bench.PATHS; --path takes any of
 them): by default the stock path (pin_memory: DataLoader's pin thread) and
 those of the report's summary (the timm/Apex prefetcher, install(), every path
-that delivers to the GPU, fastpin.Loader with zero-copy), each with fastpin's
+that delivers to the GPU but the copying Loader, fastpin.Loader with
+zero-copy), each with fastpin's
 default settings: the default arena, and a shared arena that sizes itself.
 Each path is timed as the workload cases are: untimed steps first, at least the
 batches its workers make ahead (num_workers x prefetch_factor, and the depth),
@@ -39,8 +40,10 @@ __all__ = ["PATHS", "default_paths", "format_train_table", "resnet18_maker", "tr
 
 
 def default_paths() -> tuple:
-    """The stock path and those of the report's summary, in the registry's order."""
-    return tuple(p for p, info in _paths.PATHS.items() if p == "pin_memory" or info.in_summary)
+    """The stock path and those of the report's summary that a default run takes,
+    in the registry's order."""
+    return tuple(p for p, info in _paths.PATHS.items()
+                 if p == "pin_memory" or (info.in_summary and info.in_default))
 
 
 PATHS = default_paths()
