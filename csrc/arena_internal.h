@@ -179,6 +179,8 @@ int fp_prim_dup(int fd, int *out);
 /* Makes the pages of [p, p + size) prefer NUMA node `node`, before anything
  * touches them; returns 1 when the kernel agreed. */
 int fp_prim_bind(void *p, uint64_t size, int node);
+/* The NUMA node of the CPU this thread runs on now; -1 if the kernel will not say. */
+int fp_prim_current_node(void);
 /* A random non-zero 64-bit value, mixed from `salt` and the clock should the
  * kernel refuse. */
 uint64_t fp_prim_random(const void *salt);
@@ -186,6 +188,11 @@ uint64_t fp_prim_random(const void *salt);
 int fp_prim_populate(void *p, uint64_t size);
 
 /* ---- the arena in this process (arena.c) ------------------------------ */
+
+/* fp_prim_populate over [p, p + size) split among up to `threads` threads
+ * (the caller one of them), each a whole number of 2 MiB; 1 when every slice
+ * was populated. A thread that cannot be made leaves its slice to the caller. */
+int fp_populate_parallel(void *p, uint64_t size, int threads);
 
 /* Takes the lock, repairing the metadata first when its last holder died;
  * FP_EOS (the lock cannot be had, and is not held) otherwise. */

@@ -133,6 +133,12 @@ int fp_prim_bind(void *p, uint64_t size, int node)
                    (unsigned long)FP_NUMA_MAX_NODES + 1, 0u) == 0;
 }
 
+int fp_prim_current_node(void)
+{
+    unsigned cpu = 0, node = 0;
+    return syscall(SYS_getcpu, &cpu, &node, NULL) == 0 ? (int)node : -1;
+}
+
 /* From the kernel, or, should it refuse, mixed from the clock, the pid and
  * an address. */
 uint64_t fp_prim_random(const void *salt)

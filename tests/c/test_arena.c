@@ -14,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "arena_internal.h" /* fp_populate_parallel, fp_prim_* */
 #include "fastpin.h"
 
 static int failures;
@@ -939,6 +940,63 @@ static void test_prefault(void)
     fp_arena_decref(a);
 }
 
+/* Registration has several threads populate a large arena's pages first
+ * (fp_populate_parallel): every page of the range is resident after it,
+ * whatever the split (one page, sizes that are no multiple of a slice, more
+ * threads than slices, one thread), and what is written after is what is
+ * read. Before Linux 5.14 nothing is populated, and it says so. */
+static int kernel_populates(void)
+{
+    struct utsname u;
+    int major = 0, minor = 0;
+    if (uname(&u) == 0)
+        sscanf(u.release, "%d.%d", &major, &minor);
+    return major > 5 || (major == 5 && minor >= 14);
+}
+
+static uint64_t resident_pages(void *p, uint64_t size)
+{
+    uint64_t page = fp_prim_page_size(), n = (size + page - 1) / page, count = 0;
+    unsigned char *vec = malloc(n);
+    if (!vec || mincore(p, size, vec) != 0) {
+        free(vec);
+        return UINT64_MAX;
+    }
+    for (uint64_t i = 0; i < n; i++)
+        count += vec[i] & 1;
+    free(vec);
+    return count;
+}
+
+static void test_populate_parallel(void)
+{
+    uint64_t page = fp_prim_page_size();
+    const uint64_t sizes[] = {page, ((uint64_t)5 << 20) + 3 * page, (uint64_t)37 << 20};
+    const int threads[] = {1, 2, 3, 16, 64};
+    int populates = kernel_populates();
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
+        for (size_t j = 0; j < sizeof threads / sizeof *threads; j++) {
+            uint64_t size = sizes[i], pages = (size + page - 1) / page;
+            int fd = -1;
+            void *p = NULL;
+            EXPECT(fp_prim_map_new(size, 1, &fd, &p) == FP_OK);
+            if (!p) {
+                if (fd >= 0)
+                    close(fd);
+                continue;
+            }
+            EXPECT(resident_pages(p, size) == 0);
+            EXPECT(fp_populate_parallel(p, size, threads[j]) == populates);
+            EXPECT(resident_pages(p, size) == (populates ? pages : 0));
+            uint32_t seed = (uint32_t)(i * 8 + j);
+            fill(p, size, seed);
+            EXPECT(check(p, size, seed));
+            fp_prim_unmap(p, size);
+            close(fd);
+        }
+    }
+}
+
 static void test_attach_errors(void)
 {
     fp_arena_t *w = (fp_arena_t *)&w;
@@ -1207,6 +1265,7 @@ int main(void)
     test_fence_tickets();
     test_attach_errors();
     test_prefault();
+    test_populate_parallel();
     test_crash_points();
     test_random_kills();
     if (failures) {
