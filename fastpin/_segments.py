@@ -66,6 +66,13 @@ _CAPPED = 1 << 62           # _DIR_SERVED once the pool can grow no more
 # How long a worker waits for the main process to add a segment before it
 # falls back: registering a few GB takes a second or two.
 GROW_WAIT_S = 30.0
+# A pool grows in stages of at least this (and at least two blocks, and at
+# least what it holds already: doubling), each stage a segment registered as
+# a worker asks for it: the first batch waits for a stage, not for room for
+# every batch in flight (registering 6 GB for batches of 147 MiB held the
+# first one 1-1.5 s past the stock DataLoader's on the H100 machine). A pool
+# smaller than this is made in one stage.
+STAGE_MIN_BYTES = 256 << 20
 # How long a worker waits for the GPU to finish with blocks the main process
 # freed (a consumer's copies queued behind its compute) before it falls back.
 FREE_WAIT_S = 10.0
@@ -126,13 +133,21 @@ class _Directory:
 
     def ask(self, need: int) -> bool:
         """Ask for room for blocks of `need` bytes; wait (bounded) for the answer.
-        True when the pool grew (or was sized for `need`, or can grow no more):
-        its new segments are then in the list refresh() reads."""
+        True when the pool grew (a stage, or sized for `need`, or can grow no
+        more): its new segments are then in the list refresh() reads."""
         deadline = time.monotonic() + GROW_WAIT_S
         delay, wake = 0.0005, True
+        seen = _word(self.map, _DIR_COUNT)
         while time.monotonic() < deadline and not _word(self.map, _DIR_CLOSED):
             if _word(self.map, _DIR_SERVED) >= need:   # grown for it, or at the cap
                 return True
+            # A stage that can hold the block: try it (a segment made for
+            # another worker's smaller block is passed over).
+            count = min(_word(self.map, _DIR_COUNT), _MAX_SEGMENTS)
+            while seen < count:
+                if _word(self.map, _DIR_ENTRIES + 24 * seen + 16) >= need:
+                    return True
+                seen += 1
             # Racy between workers (a plain read, then write): a request that
             # another worker's smaller one overwrote is made again.
             if _word(self.map, _DIR_WANTED) < need:
@@ -238,6 +253,19 @@ _MiB = 1 << 20
 _GiB = 1 << 30
 
 
+def stage_of(add: int, have: int, block: int, segments: int) -> tuple:
+    """(bytes to add now, whether that is the last stage) for a pool holding
+    `have` bytes in `segments` segments that is to grow by `add` for blocks of
+    `block` bytes: at least STAGE_MIN_BYTES, two blocks and `have` a stage,
+    each a whole number of 2 MiB; all of it where the stage would leave less
+    than a stage's worth, or where one segment is left."""
+    step = max(STAGE_MIN_BYTES, 2 * block, have)
+    step = -(-step // (2 * _MiB)) * 2 * _MiB
+    if add <= step + step // 2 or segments >= _MAX_SEGMENTS - 2:
+        return add, True
+    return step, False
+
+
 def _memory_bytes() -> int:
     """The memory this process may use: the machine's, or the tightest limit
     of its own cgroup and those above it (_runtime.memory_bytes)."""
@@ -290,11 +318,14 @@ class Pool:
     Fixed (capacity or arena given): one segment, made up front. Self-sizing
     (neither given): no memory until the first batch. A worker that finds no
     room for a batch the pool has not yet been sized for asks through the
-    directory and waits (at most GROW_WAIT_S); a thread here adds a segment so
-    that the pool holds capacity_for(loader, that batch, depth) in all, never
-    more than `cap`, and workers open it (spawned before it existed: through
-    /proc/<this pid>/fd). A pool sized for the batch that is simply full of
-    batches in flight falls back at once, as a fixed one does: never a deadlock.
+    directory and waits (at most GROW_WAIT_S); a thread here adds a segment
+    towards capacity_for(loader, that batch, depth) in all, never more than
+    `cap`, and workers open it (spawned before it existed: through
+    /proc/<this pid>/fd). Large pools grow in stages (STAGE_MIN_BYTES, doubling),
+    one an ask, so that the first batches wait for a stage, not the whole; the
+    pool is marked sized for the batch (served) at its last stage. A pool sized
+    for the batch that is simply full of batches in flight falls back at once,
+    as a fixed one does: never a deadlock.
     """
 
     def __init__(self, make: Callable[[int], _C.Arena], *, loader, depth: int, cap: int,
@@ -346,8 +377,9 @@ class Pool:
         return sum(a.capacity for a in self.segments)
 
     def grow(self) -> None:
-        """Serve the workers' requests (the grower thread): add a segment so the
-        pool holds what capacity_for says for the largest block asked for."""
+        """Serve the workers' requests (the grower thread): add a segment towards
+        what capacity_for says for the largest block asked for: the whole of it,
+        or its next stage (stage_of)."""
         view = self.view
         with self.lock:
             wanted, served = _word(view, _DIR_WANTED), _word(view, _DIR_SERVED)
@@ -359,12 +391,14 @@ class Pool:
             if add < wanted:   # no room for even one more such block under the cap
                 add = wanted if have + wanted <= self.cap else 0
             add = min(-(-add // (2 * _MiB)) * 2 * _MiB, self.cap - have) if add else 0
+            add, last = stage_of(add, have, wanted, len(self.segments))
             # Within what the cgroup's limit leaves: registered, a segment is
             # resident at once, and past the limit the kernel kills a process
             # without a word. The next request looks again.
             room = memory_room()
             if room is not None and add > room:
                 add = room // (2 * _MiB) * 2 * _MiB
+                last = True  # no more now: served, and the next larger batch looks again
                 if add < wanted:
                     self.tight = (f"its cgroup's memory limit of {cgroup_memory_limit()} bytes "
                                   f"leaves {room} bytes (after an eighth kept free)")
@@ -396,9 +430,10 @@ class Pool:
             _set_word(view, at + 8, arena.token)
             _set_word(view, at + 16, arena.capacity)
             _set_word(view, _DIR_COUNT, len(self.segments))
-            _set_word(view, _DIR_SERVED, wanted)
-            log.debug("fastpin: shared arena grown by %d bytes to %d for blocks of %d bytes",
-                      add, have + add, wanted)
+            if last:
+                _set_word(view, _DIR_SERVED, wanted)
+            log.debug("fastpin: shared arena grown by %d bytes to %d for blocks of %d bytes%s",
+                      add, have + add, wanted, "" if last else " (a stage)")
 
     def tell_fallbacks(self) -> None:
         """Once per pool that asks for it (install()'s: a Loader's warns on its
@@ -551,9 +586,9 @@ def _grower(pool_ref, view, dir_fd: int, wake: int) -> None:
         while True:
             select.select([wake], [], [], 1.0)
             try:
-                os.eventfd_read(wake)
+                asked = bool(os.eventfd_read(wake))
             except BlockingIOError:
-                pass
+                asked = False
             if _word(view, _DIR_CLOSED):
                 return
             pool = pool_ref()
@@ -561,7 +596,8 @@ def _grower(pool_ref, view, dir_fd: int, wake: int) -> None:
                 continue  # its finalizer is about to mark the directory closed
             try:
                 pool.collect()  # the fences workers may be waiting on (wait_for_frees)
-                pool.grow()
+                if asked:  # a stage only when a worker asks: as many as they need
+                    pool.grow()
                 pool.tell_fallbacks()
             except Exception:  # noqa: BLE001 - never crash; workers time out and fall back
                 log.exception("fastpin: growing the shared arena failed")

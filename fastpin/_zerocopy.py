@@ -313,6 +313,7 @@ class _WorkerCollate:
             grow = not asked and directory.may_grow(need)
             arenas = directory.refresh()
             if arenas:
+                asked = False  # new room (a stage): should others take it, ask again
                 continue
             if not grow or not directory.ask(need):
                 # Sized for it and full: of blocks the GPU may still be reading

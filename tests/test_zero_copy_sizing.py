@@ -189,7 +189,8 @@ def test_a_request_another_worker_overwrote_is_made_again(monkeypatch, small_mem
                             device=None, zero_copy=True)
     pool = loader._pool
     view = _segments.directory_for(pool.directory, pool.carried, _zerocopy._attach)
-    small, large = _C.block_size(64 * 1024), _C.block_size(MB)
+    # Large enough that the segment made for the small request cannot hold it.
+    small, large = _C.block_size(64 * 1024), _C.block_size(4 * MB)
     answers = []
     with pool.lock:                          # the main process is busy: it reads nothing yet
         asker = threading.Thread(target=lambda: answers.append(view.ask(large)))
@@ -357,12 +358,16 @@ def _refused(creator, fd):
     raise PermissionError(13, "Permission denied")
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["one-stage", "staged"])
 def test_segments_the_workers_cannot_open_fall_back_until_the_next_epoch(
-        monkeypatch, small_memory, nothing_left_behind):
+        monkeypatch, small_memory, nothing_left_behind, staged):
     # Forked workers inherit the patch: /proc/<pid>/fd refused, as under a
     # hardened /proc. The first epoch falls back (never waits long), the next
-    # epoch's workers carry the segment from the start.
+    # epoch's workers carry the segment from the start. Grown in stages, a
+    # batch that cannot open its stage adds at most that one.
     monkeypatch.setattr(_segments, "_open_segment", _refused)
+    if staged:
+        monkeypatch.setattr(_segments, "STAGE_MIN_BYTES", 2 * MB)
     numel = MB // 4 // 4
     dl = DataLoader(Samples(24, numel), batch_size=4, num_workers=2,
                     multiprocessing_context="fork")
@@ -370,8 +375,51 @@ def test_segments_the_workers_cannot_open_fall_back_until_the_next_epoch(
     check(loader, 24, numel)
     first = loader.stats()["fallbacks"]
     assert first == 6 and loader.stats()["pool_capacity"] > 0
+    assert 1 <= len(loader._pool.segments) <= (first if staged else 1)
     check(loader, 24, numel)
     assert loader.stats()["fallbacks"] == first
+    del loader, dl
+
+
+def test_stage_of_doubles_from_the_least_stage_and_ends_with_the_rest(monkeypatch):
+    monkeypatch.setattr(_segments, "STAGE_MIN_BYTES", 8 * MB)
+    block = 3 * MB
+    # The first stage: the least stage, or two blocks where those are more.
+    assert _segments.stage_of(100 * MB, 0, block, 0) == (8 * MB, False)
+    assert _segments.stage_of(100 * MB, 0, 5 * MB, 0) == (10 * MB, False)
+    # Then as much as the pool holds (doubling it).
+    assert _segments.stage_of(92 * MB, 8 * MB, block, 1) == (8 * MB, False)
+    assert _segments.stage_of(84 * MB, 16 * MB, block, 2) == (16 * MB, False)
+    assert _segments.stage_of(68 * MB, 32 * MB, block, 3) == (32 * MB, False)
+    # The rest at once where it is at most a stage and a half; a small pool in
+    # one stage; no more stages once the directory's entries run short.
+    assert _segments.stage_of(36 * MB, 64 * MB, block, 4) == (36 * MB, True)
+    assert _segments.stage_of(12 * MB, 0, block, 0) == (12 * MB, True)
+    last = _segments._MAX_SEGMENTS - 2
+    assert _segments.stage_of(100 * MB, 0, block, last) == (100 * MB, True)
+
+
+def test_a_large_pool_grows_in_stages_as_the_workers_ask(monkeypatch, small_memory,
+                                                         nothing_left_behind):
+    """On the H100 machine the first batch of 147 MiB (15 workers) came 1-1.5 s
+    after stock's: the pool registered room for every batch in flight (6 GB)
+    before it. A large pool now grows in stages, each as a worker asks, the
+    first of two blocks: every batch exact, none fallen back, the first stage
+    a fraction of the whole, each later one doubling the pool until the last."""
+    monkeypatch.setattr(_segments, "STAGE_MIN_BYTES", 2 * MB)
+    numel = MB // 4 // 4          # batches of 1 MiB
+    dl = DataLoader(Samples(60, numel), batch_size=4, num_workers=2,
+                    multiprocessing_context="fork")
+    loader = fastpin.Loader(dl, device=None, zero_copy=True)
+    check(loader, 60, numel)
+    assert loader.stats()["fallbacks"] == 0
+    caps = [a.capacity for a in reversed(loader._pool.segments)]   # oldest first
+    block = batch_bytes(4, numel)
+    whole = _zerocopy.capacity_for(dl, block, loader.depth)
+    assert len(caps) >= 2, caps
+    assert caps[0] == -(-2 * block // (2 * MB)) * 2 * MB < whole
+    assert all(caps[i] == max(caps[0], sum(caps[:i])) for i in range(1, len(caps) - 1)), caps
+    assert sum(caps) <= -(-whole // (2 * MB)) * 2 * MB
     del loader, dl
 
 
