@@ -66,12 +66,13 @@ _CAPPED = 1 << 62           # _DIR_SERVED once the pool can grow no more
 # How long a worker waits for the main process to add a segment before it
 # falls back: registering a few GB takes a second or two.
 GROW_WAIT_S = 30.0
-# A pool grows in stages of at least this (and at least two blocks, and at
-# least what it holds already: doubling), each stage a segment registered as
-# a worker asks for it: the first batch waits for a stage, not for room for
-# every batch in flight (registering 6 GB for batches of 147 MiB held the
-# first one 1-1.5 s past the stock DataLoader's on the H100 machine). A pool
-# smaller than this is made in one stage.
+# An empty pool that is to grow by more than this first gets a stage of this
+# (or two blocks, if more), at once followed by the rest: the first batches
+# wait for the stage's registration, not for room for every batch in flight
+# (registering 6 GB for batches of 147 MiB held the first one 1-1.5 s past
+# the stock DataLoader's on the H100 machine). Stages made only as workers
+# asked, doubling, left the last and largest to be registered while batches
+# flowed, and halved install()'s throughput over the bench's first seconds.
 STAGE_MIN_BYTES = 256 << 20
 # How long a worker waits for the GPU to finish with blocks the main process
 # freed (a consumer's copies queued behind its compute) before it falls back.
@@ -254,14 +255,13 @@ _GiB = 1 << 30
 
 
 def stage_of(add: int, have: int, block: int, segments: int) -> tuple:
-    """(bytes to add now, whether that is the last stage) for a pool holding
-    `have` bytes in `segments` segments that is to grow by `add` for blocks of
-    `block` bytes: at least STAGE_MIN_BYTES, two blocks and `have` a stage,
-    each a whole number of 2 MiB; all of it where the stage would leave less
-    than a stage's worth, or where one segment is left."""
-    step = max(STAGE_MIN_BYTES, 2 * block, have)
-    step = -(-step // (2 * _MiB)) * 2 * _MiB
-    if add <= step + step // 2 or segments >= _MAX_SEGMENTS - 2:
+    """(bytes to add now, whether that is all) for a pool holding `have` bytes
+    in `segments` segments that is to grow by `add` for blocks of `block`
+    bytes: an empty pool growing by more than a stage and a half first takes a
+    stage (STAGE_MIN_BYTES, or two blocks if more; whole 2 MiB), the rest
+    after it; any other growth is made whole."""
+    step = -(-max(STAGE_MIN_BYTES, 2 * block) // (2 * _MiB)) * 2 * _MiB
+    if have or add <= step + step // 2 or segments >= _MAX_SEGMENTS - 2:
         return add, True
     return step, False
 
@@ -321,11 +321,12 @@ class Pool:
     directory and waits (at most GROW_WAIT_S); a thread here adds a segment
     towards capacity_for(loader, that batch, depth) in all, never more than
     `cap`, and workers open it (spawned before it existed: through
-    /proc/<this pid>/fd). Large pools grow in stages (STAGE_MIN_BYTES, doubling),
-    one an ask, so that the first batches wait for a stage, not the whole; the
-    pool is marked sized for the batch (served) at its last stage. A pool sized
-    for the batch that is simply full of batches in flight falls back at once,
-    as a fixed one does: never a deadlock.
+    /proc/<this pid>/fd). An empty pool that is to grow by much grows in two
+    segments (stage_of), the second made at once after the first, so that the
+    first batches need not wait for the whole; the pool is marked sized for the
+    batch (served) after the second. A pool sized for the batch that is simply
+    full of batches in flight falls back at once, as a fixed one does: never a
+    deadlock.
     """
 
     def __init__(self, make: Callable[[int], _C.Arena], *, loader, depth: int, cap: int,
@@ -377,63 +378,70 @@ class Pool:
         return sum(a.capacity for a in self.segments)
 
     def grow(self) -> None:
-        """Serve the workers' requests (the grower thread): add a segment towards
-        what capacity_for says for the largest block asked for: the whole of it,
-        or its next stage (stage_of)."""
-        view = self.view
+        """Serve the workers' requests (the grower thread): add segments so the
+        pool holds what capacity_for says for the largest block asked for (an
+        empty pool: a first stage, then the rest)."""
         with self.lock:
-            wanted, served = _word(view, _DIR_WANTED), _word(view, _DIR_SERVED)
-            if wanted <= served or self.capped:
-                return
-            have = self.capacity
-            target = min(wanted * (batches_ahead(self.loader) + self.depth + 6), self.cap)
-            add = target - have
-            if add < wanted:   # no room for even one more such block under the cap
-                add = wanted if have + wanted <= self.cap else 0
-            add = min(-(-add // (2 * _MiB)) * 2 * _MiB, self.cap - have) if add else 0
-            add, last = stage_of(add, have, wanted, len(self.segments))
-            # Within what the cgroup's limit leaves: registered, a segment is
-            # resident at once, and past the limit the kernel kills a process
-            # without a word. The next request looks again.
-            room = memory_room()
-            if room is not None and add > room:
-                add = room // (2 * _MiB) * 2 * _MiB
-                last = True  # no more now: served, and the next larger batch looks again
-                if add < wanted:
-                    self.tight = (f"its cgroup's memory limit of {cgroup_memory_limit()} bytes "
-                                  f"leaves {room} bytes (after an eighth kept free)")
-                    _set_word(view, _DIR_LIMIT, _LIMIT_TIGHT)
-                    _set_word(view, _DIR_SERVED, wanted)  # no room now: workers fall back
-                    log.debug("fastpin: shared arena not grown for blocks of %d bytes: its "
-                              "cgroup's memory limit leaves %d bytes", wanted, room)
-                    return
-            if add < wanted or len(self.segments) >= _MAX_SEGMENTS:
-                self._cap_reached()
-                return
-            try:
-                arena = self.make(add)
-            except (_C.FastpinError, OSError) as e:
-                self.refused = str(e)
-                _set_word(view, _DIR_LIMIT, _LIMIT_REFUSED)
-                log.warning("fastpin zero-copy: could not add %d bytes to the shared "
-                            "arena (%s); it stays at %d bytes, and batches that do not fit are "
-                            "pinned by copy. %s", add, self.refused, have, REFUSED_ADVICE)
-                self._cap_reached()
-                return
-            self._add(arena)
-            _set_word(view, _DIR_LIMIT, _LIMIT_NONE)
-            # The entry, then the count, then served, in this order: a worker
-            # reads served before the list, so a pool it finds served for its
-            # batch lists the segment that was made for it.
-            at = _DIR_ENTRIES + 24 * (len(self.segments) - 1)
-            _set_word(view, at, arena.fd)
-            _set_word(view, at + 8, arena.token)
-            _set_word(view, at + 16, arena.capacity)
-            _set_word(view, _DIR_COUNT, len(self.segments))
-            if last:
-                _set_word(view, _DIR_SERVED, wanted)
-            log.debug("fastpin: shared arena grown by %d bytes to %d for blocks of %d bytes%s",
-                      add, have + add, wanted, "" if last else " (a stage)")
+            while self._grow_once():
+                pass
+
+    def _grow_once(self) -> bool:
+        """One segment towards what the workers asked for; True when it was a
+        first stage (listed for the workers to use), the rest still to add."""
+        view = self.view
+        wanted, served = _word(view, _DIR_WANTED), _word(view, _DIR_SERVED)
+        if wanted <= served or self.capped:
+            return False
+        have = self.capacity
+        target = min(wanted * (batches_ahead(self.loader) + self.depth + 6), self.cap)
+        add = target - have
+        if add < wanted:   # no room for even one more such block under the cap
+            add = wanted if have + wanted <= self.cap else 0
+        add = min(-(-add // (2 * _MiB)) * 2 * _MiB, self.cap - have) if add else 0
+        add, last = stage_of(add, have, wanted, len(self.segments))
+        # Within what the cgroup's limit leaves: registered, a segment is
+        # resident at once, and past the limit the kernel kills a process
+        # without a word. The next request looks again.
+        room = memory_room()
+        if room is not None and add > room:
+            add = room // (2 * _MiB) * 2 * _MiB
+            last = True  # no more now: served, and the next larger batch looks again
+            if add < wanted:
+                self.tight = (f"its cgroup's memory limit of {cgroup_memory_limit()} bytes "
+                              f"leaves {room} bytes (after an eighth kept free)")
+                _set_word(view, _DIR_LIMIT, _LIMIT_TIGHT)
+                _set_word(view, _DIR_SERVED, wanted)  # no room now: workers fall back
+                log.debug("fastpin: shared arena not grown for blocks of %d bytes: its "
+                          "cgroup's memory limit leaves %d bytes", wanted, room)
+                return False
+        if add < wanted or len(self.segments) >= _MAX_SEGMENTS:
+            self._cap_reached()
+            return False
+        try:
+            arena = self.make(add)
+        except (_C.FastpinError, OSError) as e:
+            self.refused = str(e)
+            _set_word(view, _DIR_LIMIT, _LIMIT_REFUSED)
+            log.warning("fastpin zero-copy: could not add %d bytes to the shared "
+                        "arena (%s); it stays at %d bytes, and batches that do not fit are "
+                        "pinned by copy. %s", add, self.refused, have, REFUSED_ADVICE)
+            self._cap_reached()
+            return False
+        self._add(arena)
+        _set_word(view, _DIR_LIMIT, _LIMIT_NONE)
+        # The entry, then the count, then served, in this order: a worker
+        # reads served before the list, so a pool it finds served for its
+        # batch lists the segment that was made for it.
+        at = _DIR_ENTRIES + 24 * (len(self.segments) - 1)
+        _set_word(view, at, arena.fd)
+        _set_word(view, at + 8, arena.token)
+        _set_word(view, at + 16, arena.capacity)
+        _set_word(view, _DIR_COUNT, len(self.segments))
+        if last:
+            _set_word(view, _DIR_SERVED, wanted)
+        log.debug("fastpin: shared arena grown by %d bytes to %d for blocks of %d bytes%s",
+                  add, have + add, wanted, "" if last else " (a first stage)")
+        return not last
 
     def tell_fallbacks(self) -> None:
         """Once per pool that asks for it (install()'s: a Loader's warns on its

@@ -381,31 +381,26 @@ def test_segments_the_workers_cannot_open_fall_back_until_the_next_epoch(
     del loader, dl
 
 
-def test_stage_of_doubles_from_the_least_stage_and_ends_with_the_rest(monkeypatch):
+def test_stage_of_gives_an_empty_pool_a_first_stage_then_the_rest(monkeypatch):
     monkeypatch.setattr(_segments, "STAGE_MIN_BYTES", 8 * MB)
-    block = 3 * MB
-    # The first stage: the least stage, or two blocks where those are more.
-    assert _segments.stage_of(100 * MB, 0, block, 0) == (8 * MB, False)
+    # An empty pool: the least stage, or two blocks where those are more.
+    assert _segments.stage_of(100 * MB, 0, 3 * MB, 0) == (8 * MB, False)
     assert _segments.stage_of(100 * MB, 0, 5 * MB, 0) == (10 * MB, False)
-    # Then as much as the pool holds (doubling it).
-    assert _segments.stage_of(92 * MB, 8 * MB, block, 1) == (8 * MB, False)
-    assert _segments.stage_of(84 * MB, 16 * MB, block, 2) == (16 * MB, False)
-    assert _segments.stage_of(68 * MB, 32 * MB, block, 3) == (32 * MB, False)
-    # The rest at once where it is at most a stage and a half; a small pool in
-    # one stage; no more stages once the directory's entries run short.
-    assert _segments.stage_of(36 * MB, 64 * MB, block, 4) == (36 * MB, True)
-    assert _segments.stage_of(12 * MB, 0, block, 0) == (12 * MB, True)
+    # Then the rest at once; and any growth of a pool that holds something whole.
+    assert _segments.stage_of(92 * MB, 8 * MB, 3 * MB, 1) == (92 * MB, True)
+    # Small growth, or too few directory entries left for two: in one.
+    assert _segments.stage_of(12 * MB, 0, 3 * MB, 0) == (12 * MB, True)
     last = _segments._MAX_SEGMENTS - 2
-    assert _segments.stage_of(100 * MB, 0, block, last) == (100 * MB, True)
+    assert _segments.stage_of(100 * MB, 0, 3 * MB, last) == (100 * MB, True)
 
 
-def test_a_large_pool_grows_in_stages_as_the_workers_ask(monkeypatch, small_memory,
-                                                         nothing_left_behind):
+def test_a_large_pool_grows_in_a_first_stage_then_the_rest(monkeypatch, small_memory,
+                                                           nothing_left_behind):
     """On the H100 machine the first batch of 147 MiB (15 workers) came 1-1.5 s
     after stock's: the pool registered room for every batch in flight (6 GB)
-    before it. A large pool now grows in stages, each as a worker asks, the
-    first of two blocks: every batch exact, none fallen back, the first stage
-    a fraction of the whole, each later one doubling the pool until the last."""
+    before it. A large pool now grows by a first stage of two blocks, listed
+    for the workers as soon as it is made, then at once by the rest: every
+    batch exact, none fallen back, the pool sized for the batches in flight."""
     monkeypatch.setattr(_segments, "STAGE_MIN_BYTES", 2 * MB)
     numel = MB // 4 // 4          # batches of 1 MiB
     dl = DataLoader(Samples(60, numel), batch_size=4, num_workers=2,
@@ -415,11 +410,9 @@ def test_a_large_pool_grows_in_stages_as_the_workers_ask(monkeypatch, small_memo
     assert loader.stats()["fallbacks"] == 0
     caps = [a.capacity for a in reversed(loader._pool.segments)]   # oldest first
     block = batch_bytes(4, numel)
-    whole = _zerocopy.capacity_for(dl, block, loader.depth)
-    assert len(caps) >= 2, caps
-    assert caps[0] == -(-2 * block // (2 * MB)) * 2 * MB < whole
-    assert all(caps[i] == max(caps[0], sum(caps[:i])) for i in range(1, len(caps) - 1)), caps
-    assert sum(caps) <= -(-whole // (2 * MB)) * 2 * MB
+    whole = -(-_zerocopy.capacity_for(dl, block, loader.depth) // (2 * MB)) * 2 * MB
+    first = -(-2 * block // (2 * MB)) * 2 * MB
+    assert caps == [first, whole - first], (caps, whole)
     del loader, dl
 
 
