@@ -7,7 +7,7 @@ import re
 import sys
 from typing import Any, NamedTuple, Optional, Union
 
-from . import _C, _numa, _segments
+from . import _C, _numa
 from ._grow import GrowingArena
 from ._runtime import (
     MAX_CAPACITY,  # noqa: F401 - fastpin._arena.MAX_CAPACITY, as before
@@ -19,6 +19,7 @@ from ._runtime import (
     check_seconds,
     check_threads,
     cuda_available,
+    machine_cap,
     process,
     settings,
 )
@@ -38,8 +39,8 @@ START_BYTES = 64 << 20
 
 def growth_cap(registered: bool) -> int:
     """The most a self-sizing default arena grows to: a quarter of the memory this
-    process may use and, page-locked, half of RLIMIT_MEMLOCK where set (_segments)."""
-    return _segments.machine_cap(registered)
+    process may use and, page-locked, half of RLIMIT_MEMLOCK where set (_runtime)."""
+    return machine_cap(registered)
 
 
 class CudaStatus(NamedTuple):

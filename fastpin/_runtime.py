@@ -526,6 +526,27 @@ def memory_room(root: str = "/") -> Optional[int]:
     return room
 
 
+def machine_cap(registered: bool) -> int:
+    """The most a self-sizing arena (zero-copy's shared one, the default one)
+    grows to unless told: a quarter of the memory this process may use and,
+    when the arena is page-locked, half of RLIMIT_MEMLOCK where that limit was
+    set for it. The small defaults (64 KiB, 8 MiB) are ignored: the CUDA driver
+    pins registered memory itself and does not charge it there; should a
+    registration be refused all the same, the arena stops growing and batches
+    fall back."""
+    cap = memory_bytes() // 4
+    if registered:
+        try:
+            import resource
+
+            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+            if soft != resource.RLIM_INFINITY and soft // 2 >= 1 << 30:
+                cap = min(cap, soft // 2)
+        except (ImportError, OSError, ValueError):
+            pass
+    return cap
+
+
 # ---- counters and warnings -----------------------------------------------------------
 
 counts = {"batches": 0, "leaves": 0, "bytes": 0, "fallbacks": 0}

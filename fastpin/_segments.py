@@ -26,7 +26,8 @@ import weakref
 from typing import Callable, Optional
 
 from . import _C, _numa
-from ._runtime import cgroup_memory_limit, memory_bytes, memory_room, process, zero_copy_max_bytes
+from ._runtime import (cgroup_memory_limit, machine_cap, memory_bytes, memory_room, process,
+                       zero_copy_max_bytes)
 
 log = logging.getLogger("fastpin")
 
@@ -66,13 +67,9 @@ _CAPPED = 1 << 62           # _DIR_SERVED once the pool can grow no more
 # How long a worker waits for the main process to add a segment before it
 # falls back: registering a few GB takes a second or two.
 GROW_WAIT_S = 30.0
-# An empty pool that is to grow by more than this first gets a stage of this
-# (or two blocks, if more), at once followed by the rest: the first batches
-# wait for the stage's registration, not for room for every batch in flight
-# (registering 6 GB for batches of 147 MiB held the first one 1-1.5 s past
-# the stock DataLoader's on the H100 machine). Stages made only as workers
-# asked, doubling, left the last and largest to be registered while batches
-# flowed, and halved install()'s throughput over the bench's first seconds.
+# An empty pool growing by much first gets a stage of this (or two blocks),
+# then at once the rest: the first batches wait for the stage's registration,
+# not for room for every batch in flight (stage_of).
 STAGE_MIN_BYTES = 256 << 20
 # How long a worker waits for the GPU to finish with blocks the main process
 # freed (a consumer's copies queued behind its compute) before it falls back.
@@ -142,8 +139,7 @@ class _Directory:
         while time.monotonic() < deadline and not _word(self.map, _DIR_CLOSED):
             if _word(self.map, _DIR_SERVED) >= need:   # grown for it, or at the cap
                 return True
-            # A stage that can hold the block: try it (a segment made for
-            # another worker's smaller block is passed over).
+            # A new segment that can hold the block: try it.
             count = min(_word(self.map, _DIR_COUNT), _MAX_SEGMENTS)
             while seen < count:
                 if _word(self.map, _DIR_ENTRIES + 24 * seen + 16) >= need:
@@ -251,7 +247,6 @@ def capacity_for(loader, batch_bytes: int, depth: int) -> int:
 
 
 _MiB = 1 << 20
-_GiB = 1 << 30
 
 
 def stage_of(add: int, have: int, block: int, segments: int) -> tuple:
@@ -277,27 +272,6 @@ def default_cap(registered: bool) -> int:
     else machine_cap(registered)."""
     value = zero_copy_max_bytes()
     return value if value is not None else machine_cap(registered)
-
-
-def machine_cap(registered: bool) -> int:
-    """The most a self-sizing arena (zero-copy's shared one, the default one)
-    grows to unless told: a quarter of the memory this process may use and,
-    when the arena is page-locked, half of RLIMIT_MEMLOCK where that limit was
-    set for it. The small defaults (64 KiB, 8 MiB) are ignored: the CUDA driver
-    pins registered memory itself and does not charge it there; should a
-    registration be refused all the same, the arena stops growing and batches
-    fall back."""
-    cap = _memory_bytes() // 4
-    if registered:
-        try:
-            import resource
-
-            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-            if soft != resource.RLIM_INFINITY and soft // 2 >= _GiB:
-                cap = min(cap, soft // 2)
-        except (ImportError, OSError, ValueError):
-            pass
-    return cap
 
 
 def _close_directory(creator: int, view, fds: tuple, wake: int) -> None:
