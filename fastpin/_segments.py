@@ -26,8 +26,7 @@ import weakref
 from typing import Callable, Optional
 
 from . import _C, _numa
-from ._runtime import (cgroup_memory_limit, machine_cap, memory_bytes, memory_room, process,
-                       zero_copy_max_bytes)
+from ._runtime import cgroup_memory_limit, machine_cap, memory_room, process, zero_copy_max_bytes
 
 log = logging.getLogger("fastpin")
 
@@ -259,12 +258,6 @@ def stage_of(add: int, have: int, block: int, segments: int) -> tuple:
     if have or add <= step + step // 2 or segments >= _MAX_SEGMENTS - 2:
         return add, True
     return step, False
-
-
-def _memory_bytes() -> int:
-    """The memory this process may use: the machine's, or the tightest limit
-    of its own cgroup and those above it (_runtime.memory_bytes)."""
-    return memory_bytes()
 
 
 def default_cap(registered: bool) -> int:

@@ -69,7 +69,6 @@ from ._adoption import (  # noqa: F401 - the main process's side, here by name f
 from ._segments import (  # noqa: F401 - the names the Loader, the bench and tests use here
     Pool,
     _arenas,
-    _memory_bytes,
     _pools,
     _registry,
     advice_for,

@@ -123,8 +123,8 @@ def test_nothing_readable_is_the_machine(tmp_path):
 
 # ---- a real nested cgroup (as root, where cgroups can be made) ---------------------
 
-PROBE = ("import fastpin._segments as s, fastpin._zerocopy as z; "
-         "print(s._memory_bytes(), s.machine_cap(False), z.default_cap(False))")
+PROBE = ("import fastpin._runtime as r, fastpin._zerocopy as z; "
+         "print(r.memory_bytes(), r.machine_cap(False), z.default_cap(False))")
 
 
 @pytest.mark.timeout(120)

@@ -249,7 +249,7 @@ def test_a_refused_segment_warns_once_then_the_policy_applies(self_sizing, monke
 def test_the_cap_is_a_share_of_memory_and_of_memlock(monkeypatch):
     import resource
 
-    memory = _segments._memory_bytes()
+    memory = _runtime.memory_bytes()
     assert _segments.machine_cap(False) == memory // 4
     monkeypatch.setattr(resource, "getrlimit", lambda which: (4 << 30, 4 << 30))
     assert _segments.machine_cap(True) == min(memory // 4, 2 << 30)

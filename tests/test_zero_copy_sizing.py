@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 import fastpin
-from fastpin import _C, _segments, _zerocopy
+from fastpin import _C, _runtime, _segments, _zerocopy
 
 from conftest import assert_same, gpu, patterned
 from test_loader_stats import no_default_arena  # noqa: F401 - a fixture
@@ -280,7 +280,7 @@ def test_default_cap_follows_memory_and_the_environment(monkeypatch):
     assert _zerocopy.default_cap(True) <= memory // 4
     import resource
 
-    quarter = _zerocopy._memory_bytes() // 4
+    quarter = _runtime.memory_bytes() // 4
     monkeypatch.setattr(resource, "getrlimit", lambda which: (8 * MB, 8 * MB))
     assert _zerocopy.default_cap(True) == quarter      # a default limit: not for CUDA
     monkeypatch.setattr(resource, "getrlimit", lambda which: (4 << 30, 4 << 30))
