@@ -358,10 +358,11 @@ static int fp_arena_populate_threads(uint64_t capacity)
  * faults in every page it has not seen, one at a time on this thread (the
  * kernel zeroes each): 0.55-0.65 s a GB on the H100 machine, the first batch's
  * wait in zero-copy mode. Populated first by several threads, the pages exist
- * and registration only pins them (0.28 s a GB there). Where populating is refused (kernels before 5.14), the
- * registration faults whatever is left, as it always did. The helpers place
- * pages where this thread would have: on the arena's node, else this CPU's
- * (preferred); where neither can be said, this thread faults them alone. */
+ * and registration only pins them (0.28 s a GB there). Where populating is
+ * refused (kernels before 5.14), the registration faults whatever is left, as
+ * it always did. The helpers place pages where this thread would have: on
+ * the arena's node, else this CPU's (preferred); where neither can be said,
+ * this thread faults them alone. */
 static int fp_arena_page_lock(fp_arena_t *a)
 {
     FP_CUDA_SCOPE(scope, a->ctx);
