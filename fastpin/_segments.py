@@ -248,13 +248,18 @@ def capacity_for(loader, batch_bytes: int, depth: int) -> int:
 _MiB = 1 << 20
 
 
+def _whole_2mib(n: int) -> int:
+    """`n` bytes rounded up to whole 2 MiB (what segments are made of)."""
+    return -(-n // (2 * _MiB)) * 2 * _MiB
+
+
 def stage_of(add: int, have: int, block: int, segments: int) -> tuple:
     """(bytes to add now, whether that is all) for a pool holding `have` bytes
     in `segments` segments that is to grow by `add` for blocks of `block`
     bytes: an empty pool growing by more than a stage and a half first takes a
     stage (STAGE_MIN_BYTES, or two blocks if more; whole 2 MiB), the rest
     after it; any other growth is made whole."""
-    step = -(-max(STAGE_MIN_BYTES, 2 * block) // (2 * _MiB)) * 2 * _MiB
+    step = _whole_2mib(max(STAGE_MIN_BYTES, 2 * block))
     if have or add <= step + step // 2 or segments >= _MAX_SEGMENTS - 2:
         return add, True
     return step, False
@@ -360,11 +365,11 @@ class Pool:
         if wanted <= served or self.capped:
             return False
         have = self.capacity
-        target = min(wanted * (batches_ahead(self.loader) + self.depth + 6), self.cap)
+        target = min(capacity_for(self.loader, wanted, self.depth), self.cap)
         add = target - have
         if add < wanted:   # no room for even one more such block under the cap
             add = wanted if have + wanted <= self.cap else 0
-        add = min(-(-add // (2 * _MiB)) * 2 * _MiB, self.cap - have) if add else 0
+        add = min(_whole_2mib(add), self.cap - have) if add else 0
         add, last = stage_of(add, have, wanted, len(self.segments))
         # Within what the cgroup's limit leaves: registered, a segment is
         # resident at once, and past the limit the kernel kills a process
