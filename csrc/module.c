@@ -561,8 +561,8 @@ static PyMethodDef fp_methods[] = {
     {"captures", fp_captures_py, METH_NOARGS, "Captures under way (capture_begin not yet ended)."},
     {"set_threads", fp_set_threads, METH_O, "Size of the copy pool (0: the default)."},
     {"set_streaming", fp_set_streaming, METH_O,
-     "Whether the copy pool's runs of 4 MiB or more use streaming stores (default: where "
-     "the CPU has them)."},
+     "Whether the copy pool's runs from stream_min bytes use streaming stores (default: "
+     "where the CPU has them)."},
     {"streaming", fp_get_streaming, METH_NOARGS,
      "Whether the copy pool's large runs use streaming stores."},
     {"get_threads", fp_get_threads, METH_NOARGS, "Size of the copy pool."},

@@ -129,10 +129,72 @@ def parse_copy_knobs(text: str) -> dict:
     return knobs
 
 
+# Where the copy pool's streaming stores (which bypass the cache) start. In
+# the main process, past the last-level cache: on the H100 machine (300 MiB of
+# it; benchmarks/pin_cutover.py, 2026-12-06 16:24 and 20:05 UTC) they slowed
+# cache-cold copies of 32-128 MiB to 0.66-0.72x of ordinary stores (57-60 GB/s
+# against 84-85 at 32 and 64 MiB) and sped up only those past the cache (1.2x
+# at 1 GiB). In a zero-copy worker, from 4 MiB: 15 of them packing at once are
+# bound by the memory's bandwidth, and ordinary stores read every line they
+# write (52 GB/s against 40 delivered, 2026-12-01).
+WORKER_STREAM_MIN = 4 << 20
+
+
+def llc_bytes(root: str = "/") -> Optional[int]:
+    """The last-level caches this process's CPUs share, summed over the
+    distinct ones (a socket or a core complex each), from sysfs; None where
+    it cannot be read."""
+    caches: dict = {}
+    top = 0
+    for cpu in sorted(os.sched_getaffinity(0)):
+        base = os.path.join(root, f"sys/devices/system/cpu/cpu{cpu}/cache")
+        try:
+            indexes = [e for e in os.listdir(base) if e.startswith("index")]
+        except OSError:
+            continue
+        for index in indexes:
+            def field(name: str) -> str:
+                with open(os.path.join(base, index, name)) as f:
+                    return f.read().strip()
+            try:
+                if field("type") == "Instruction":
+                    continue
+                level, size, shared = int(field("level")), _env_bytes(field("size")), field(
+                    "shared_cpu_list")
+            except (OSError, ValueError):
+                continue
+            if level > top:
+                caches, top = {}, level
+            if level == top:
+                caches[shared] = size
+    return sum(caches.values()) or None
+
+
+def main_stream_min() -> int:
+    """stream_min for the main process: past its last-level cache, at least
+    WORKER_STREAM_MIN."""
+    return max(WORKER_STREAM_MIN, llc_bytes() or 0)
+
+
+_stream_min_given: Optional[int] = None  # FASTPIN_COPY's stream_min: workers keep it too
+
+
+def worker_copies() -> None:
+    """In a zero-copy worker, before it packs its first batch: it copies on its
+    own thread, streaming from WORKER_STREAM_MIN (or what FASTPIN_COPY says)."""
+    _C.set_threads(1)
+    given = _stream_min_given
+    _C.set_copy_tuning(stream_min=WORKER_STREAM_MIN if given is None else given)
+
+
 def _tune_from_environment() -> None:
+    global _stream_min_given
+    _C.set_copy_tuning(stream_min=main_stream_min())
     text = os.environ.get(COPY_ENV, "").strip()
     if text:
-        tune_copy(**parse_copy_knobs(text))
+        knobs = parse_copy_knobs(text)
+        _stream_min_given = knobs.get("stream_min")
+        tune_copy(**knobs)
 
 class Fallback(Exception):
     """The policy says: pin this batch the ordinary way."""

@@ -52,6 +52,7 @@ from torch.utils.data._utils.collate import (
 
 from . import _C
 from . import _leaves
+from . import _pin
 from . import _record
 from ._adoption import (  # noqa: F401 - the main process's side, here by name for tests and tools
     DELIVER,
@@ -239,8 +240,9 @@ def _attach(fd: int, token: int) -> _C.Arena:
                 raise RuntimeError("fastpin: the file descriptor does not hold the expected arena")
             if PREFAULT:
                 arena.prefault()
-            # A worker copies on its own thread: the DataLoader runs many.
-            _C.set_threads(1)
+            # A worker copies on its own thread (the DataLoader runs many),
+            # streaming from 4 MiB (_pin.WORKER_STREAM_MIN).
+            _pin.worker_copies()
             _attached[token] = arena
         return arena
 
