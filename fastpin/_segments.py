@@ -489,58 +489,6 @@ def advice_for(pool) -> str:
     return ""
 
 
-def _held(arenas: list) -> tuple:
-    """(capacity, blocks in use, their bytes, blocks freed but still read by the
-    GPU) of a pool's segments, from their shared stats: every process's blocks."""
-    stats = [a.stats() for a in arenas]
-    return tuple(sum(s[key] for s in stats)
-                 for key in ("capacity", "blocks_in_use", "bytes_in_use", "blocks_pending"))
-
-
-def why_full(arenas: list, directory: "Optional[_Directory]", limits: tuple, block: int,
-             loader: bool) -> tuple:
-    """For a worker whose block of `block` bytes found no room in the pool of
-    `arenas` (and `directory`, None for a fixed pool): (what holds the pool and
-    what limits it, a sentence; what would let it hold the batch, a list of
-    fixes; the batches alive at once, this one counted). limits: (the batches
-    the DataLoader holds in flight and hands over, the pool's cap); loader: a
-    fastpin.Loader's pool, else install()'s."""
-    ahead, cap = limits
-    capacity, blocks, held, pending = _held(arenas)
-    kept = blocks - ahead
-    facts = (f"{capacity} bytes in {len(arenas)} segment{'' if len(arenas) == 1 else 's'}, "
-             f"{blocks} batches in it ({held} bytes)")
-    if pending:
-        facts += f", {pending} of them freed but still read by the GPU"
-    facts += (f"; the DataLoader's batches in flight and the next ones handed over "
-              f"account for up to {ahead}")
-    fixes = []
-    if kept > 0:
-        facts += f", so the loop keeps about {kept} alive"
-        fixes.append("keep fewer batches alive (each one held keeps its block)")
-    alive = max(blocks, ahead) + 1
-    room = block * alive
-    limit = _LIMIT_NONE if directory is None else _word(directory.map, _DIR_LIMIT)
-    if limit == _LIMIT_REFUSED:
-        facts += "; it could not grow: the driver refused to page-lock more"
-        fixes.append(REFUSED_ADVICE[0].lower() + REFUSED_ADVICE[1:])
-    elif limit == _LIMIT_TIGHT:
-        facts += "; it could not grow: its cgroup's memory limit leaves no room"
-        fixes.append(TIGHT_ADVICE[0].lower() + TIGHT_ADVICE[1:])
-    elif directory is None:
-        facts += "; its capacity is fixed"
-        fixes.append(f"give fastpin.Loader capacity={room} or more")
-    elif capacity + block > cap:
-        facts += f"; it is at its cap of {cap} bytes"
-        knob = ("fastpin.Loader(max_capacity=...) (or FASTPIN_ZERO_COPY_MAX_BYTES where "
-                "max_capacity is not given)" if loader else "FASTPIN_ZERO_COPY_MAX_BYTES")
-        fixes.append(f"raise {knob} to {room} bytes or more")
-    elif not fixes:
-        facts += "; it is sized for the batches in flight"
-        fixes.append("keep fewer batches alive (each one held keeps its block)")
-    return facts, fixes, alive
-
-
 def fallbacks() -> int:
     """The batches workers could not place in the self-sizing pools this
     process made and still holds (install()'s and the Loaders'), for

@@ -78,8 +78,15 @@ from ._segments import (  # noqa: F401 - the names the Loader, the bench and tes
     default_cap,
     directory_for,
     FREE_WAIT_S,
+    REFUSED_ADVICE,
+    TIGHT_ADVICE,
+    _DIR_LIMIT,
+    _LIMIT_NONE,
+    _LIMIT_REFUSED,
+    _LIMIT_TIGHT,
+    _Directory,
+    _word,
     register,
-    why_full,
 )
 from . import _arena
 from ._leaves import Plan, Stack, stackable
@@ -169,7 +176,7 @@ def _no_shm_room(exc: RuntimeError, nbytes: int, pool: tuple) -> Optional[str]:
     """The message for a fallback batch of `nbytes` that torch could not place in
     /dev/shm (exc), naming both limits and their fixes; None where exc is
     another error. pool: the full pool's (facts, fixes, batches alive), from
-    _segments.why_full."""
+    why_full."""
     text = str(exc)
     size, free = _shm_room()
     if not any(words in text for words in _SHM_ERRORS) or not (
@@ -368,7 +375,7 @@ def wrap_collate(collate_fn: Optional[Callable], pool: "Pool",
     _adopt_installed."""
     if collate_fn is default_collate:
         collate_fn = None
-    # What a fallback's error says of the pool (_segments.why_full); a Pool
+    # What a fallback's error says of the pool (why_full); a Pool
     # may be made without its DataLoader's shape (loader=None).
     ahead = pool.depth + (batches_ahead(pool.loader) if pool.loader is not None else 0)
     limits = (ahead, pool.capacity if pool.fixed else pool.cap)
@@ -387,3 +394,55 @@ def dataloader_view(loader, collate_fn: Callable):
     view.__dict__["collate_fn"] = collate_fn
     view.__dict__["_iterator"] = None  # persistent workers: never the loader's own
     return view
+
+
+def _held(arenas: list) -> tuple:
+    """(capacity, blocks in use, their bytes, blocks freed but still read by the
+    GPU) of a pool's segments, from their shared stats: every process's blocks."""
+    stats = [a.stats() for a in arenas]
+    return tuple(sum(s[key] for s in stats)
+                 for key in ("capacity", "blocks_in_use", "bytes_in_use", "blocks_pending"))
+
+
+def why_full(arenas: list, directory: "Optional[_Directory]", limits: tuple, block: int,
+             loader: bool) -> tuple:
+    """For a worker whose block of `block` bytes found no room in the pool of
+    `arenas` (and `directory`, None for a fixed pool): (what holds the pool and
+    what limits it, a sentence; what would let it hold the batch, a list of
+    fixes; the batches alive at once, this one counted). limits: (the batches
+    the DataLoader holds in flight and hands over, the pool's cap); loader: a
+    fastpin.Loader's pool, else install()'s."""
+    ahead, cap = limits
+    capacity, blocks, held, pending = _held(arenas)
+    kept = blocks - ahead
+    facts = (f"{capacity} bytes in {len(arenas)} segment{'' if len(arenas) == 1 else 's'}, "
+             f"{blocks} batches in it ({held} bytes)")
+    if pending:
+        facts += f", {pending} of them freed but still read by the GPU"
+    facts += (f"; the DataLoader's batches in flight and the next ones handed over "
+              f"account for up to {ahead}")
+    fixes = []
+    if kept > 0:
+        facts += f", so the loop keeps about {kept} alive"
+        fixes.append("keep fewer batches alive (each one held keeps its block)")
+    alive = max(blocks, ahead) + 1
+    room = block * alive
+    limit = _LIMIT_NONE if directory is None else _word(directory.map, _DIR_LIMIT)
+    if limit == _LIMIT_REFUSED:
+        facts += "; it could not grow: the driver refused to page-lock more"
+        fixes.append(REFUSED_ADVICE[0].lower() + REFUSED_ADVICE[1:])
+    elif limit == _LIMIT_TIGHT:
+        facts += "; it could not grow: its cgroup's memory limit leaves no room"
+        fixes.append(TIGHT_ADVICE[0].lower() + TIGHT_ADVICE[1:])
+    elif directory is None:
+        facts += "; its capacity is fixed"
+        fixes.append(f"give fastpin.Loader capacity={room} or more")
+    elif capacity + block > cap:
+        facts += f"; it is at its cap of {cap} bytes"
+        knob = ("fastpin.Loader(max_capacity=...) (or FASTPIN_ZERO_COPY_MAX_BYTES where "
+                "max_capacity is not given)" if loader else "FASTPIN_ZERO_COPY_MAX_BYTES")
+        fixes.append(f"raise {knob} to {room} bytes or more")
+    elif not fixes:
+        facts += "; it is sized for the batches in flight"
+        fixes.append("keep fewer batches alive (each one held keeps its block)")
+    return facts, fixes, alive

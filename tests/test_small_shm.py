@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 import fastpin
-from fastpin import _C, _segments
+from fastpin import _C, _segments, _zerocopy
 
 from conftest import assert_same, patterned
 
@@ -166,7 +166,7 @@ def test_why_full_names_what_limits_the_pool(limit, fixed, cap, loader, words):
     directory = None if fixed else types.SimpleNamespace(map=bytearray(_segments._DIR_BYTES))
     if directory is not None:
         _segments._set_word(directory.map, _segments._DIR_LIMIT, limit)
-    facts, fixes, alive = _segments.why_full([arena], directory, (3, cap), 1 << 20, loader)
+    facts, fixes, alive = _zerocopy.why_full([arena], directory, (3, cap), 1 << 20, loader)
     text = f"{facts}: {'; '.join(fixes)}"
     assert facts.startswith("4194304 bytes in 1 segment, 2 batches in it (2097152 bytes)"), text
     assert "up to 3" in facts and "keeps" not in facts, text
