@@ -59,6 +59,10 @@ _DIR_COLLECTED = 40
 # error of a batch that fell back and then found no room in /dev/shm.
 _DIR_LIMIT = 48
 _LIMIT_NONE, _LIMIT_REFUSED, _LIMIT_TIGHT = 0, 1, 2
+# The block size a first stage was made for, while it is the only segment and
+# the rest is still to come (0 otherwise): it holds the first batches in the
+# order the loop takes them (_Directory.stage_blocks).
+_DIR_STAGE = 56
 _DIR_ENTRIES = 64           # then (fd in the creator, token, capacity) per segment
 _MAX_SEGMENTS = 64
 _DIR_BYTES = _DIR_ENTRIES + 24 * _MAX_SEGMENTS
@@ -123,6 +127,16 @@ class _Directory:
             self.arenas.insert(0, own)
             self.seen += 1
         return self.arenas[:self.seen - before]
+
+    def stage_blocks(self) -> Optional[int]:
+        """While a first stage is the pool's only segment and the rest is still
+        being made: how many of the blocks it was made for it holds; else None.
+        Read before the count, which the main process raises before it clears
+        the stage (a worker that sees the stage sees it alone)."""
+        block = _word(self.map, _DIR_STAGE)
+        if not block or _word(self.map, _DIR_COUNT) != 1:
+            return None
+        return _word(self.map, _DIR_ENTRIES + 16) // block
 
     def may_grow(self, need: int) -> bool:
         """Whether the main process has yet to size the pool for blocks of `need`."""
@@ -354,8 +368,11 @@ class Pool:
         pool holds what capacity_for says for the largest block asked for (an
         empty pool: a first stage, then the rest)."""
         with self.lock:
-            while self._grow_once():
-                pass
+            try:
+                while self._grow_once():
+                    pass
+            finally:
+                _set_word(self.view, _DIR_STAGE, 0)  # the rest is listed, or will not be
 
     def _grow_once(self) -> bool:
         """One segment towards what the workers asked for; True when it was a
@@ -408,6 +425,8 @@ class Pool:
         _set_word(view, at, arena.fd)
         _set_word(view, at + 8, arena.token)
         _set_word(view, at + 16, arena.capacity)
+        if not last:
+            _set_word(view, _DIR_STAGE, wanted)
         _set_word(view, _DIR_COUNT, len(self.segments))
         if last:
             _set_word(view, _DIR_SERVED, wanted)

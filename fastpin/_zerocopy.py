@@ -269,6 +269,7 @@ class _WorkerCollate:
         self.ship = ship              # None: for a Loader; install(): (pool id, handover)
         self.limits = limits          # (batches in flight and handed over, the pool's cap)
         self.is_leaf = _placeable if ship is None else _placeable_or_self_pinning
+        self.placed = 0               # batches this worker placed in the pool
 
     def __reduce__(self):
         # spawn / forkserver: each memfd travels as a file descriptor.
@@ -305,11 +306,12 @@ class _WorkerCollate:
         arenas, directory = self._arenas()
         asked, deadline, waits = False, None, 0
         while True:
-            for arena in arenas:
+            for arena in arenas if directory is None or self._in_turn(directory) else ():
                 try:
                     block, *layout = _pack(tree, arena, self.is_leaf)
                 except _C.ArenaFullError:
                     continue
+                self.placed += 1
                 return _Shipped(arena.token, block.index, block.nbytes, layout, block, self.ship)
             if directory is None:
                 break
@@ -346,6 +348,20 @@ class _WorkerCollate:
             if message is None:
                 raise
             raise RuntimeError(message) from exc
+
+    def _in_turn(self, directory) -> bool:
+        """Whether this batch may take room now. While a first stage is the
+        pool's only segment, it holds the loop's first batches in order: the
+        DataLoader hands its workers their batches round robin, so this
+        worker's k-th batch is the loop's (k x workers + id)-th, and one past
+        the stage's blocks waits for the rest, which is being made (on the H100
+        machine the video case's batch 1 came 4.6 s after batch 0: the stage's
+        second block had gone to batch 5's worker)."""
+        blocks = directory.stage_blocks()
+        if blocks is None:
+            return True
+        info = get_worker_info()
+        return info is None or self.placed * info.num_workers + info.id < blocks
 
     def _no_shm_room(self, exc: RuntimeError, tree, arenas: list, directory) -> Optional[str]:
         """The message for a fallback batch that found no room in /dev/shm
