@@ -130,13 +130,15 @@ def parse_copy_knobs(text: str) -> dict:
 
 
 # Where the copy pool's streaming stores (which bypass the cache) start. In
-# the main process, past the last-level cache: on the H100 machine (300 MiB of
-# it; benchmarks/pin_cutover.py, 2026-12-06 16:24 and 20:05 UTC) they slowed
-# cache-cold copies of 32-128 MiB to 0.66-0.72x of ordinary stores (57-60 GB/s
-# against 84-85 at 32 and 64 MiB) and sped up only those past the cache (1.2x
-# at 1 GiB). In a zero-copy worker, from 4 MiB: 15 of them packing at once are
-# bound by the memory's bandwidth, and ordinary stores read every line they
-# write (52 GB/s against 40 delivered, 2026-12-01).
+# the main process, once a copy's source and destination together pass the
+# last-level cache (half of it each): on the H100 and H200 machines (300 MiB
+# of it; benchmarks/pin_cutover.py, 2026-12-06 16:24-20:26 UTC) they slowed
+# cache-cold copies of 32-128 MiB to 0.66-0.84x of ordinary stores (H200: 53,
+# 57, 61 against 81, 79, 73 GB/s at 32, 64, 128 MiB) and paid from 256 MiB
+# (H200: 1.10x cold, 1.18x hot; 1.2x at 1 GiB). In a zero-copy worker, from
+# 4 MiB: 15 of them packing at once are bound by the memory's bandwidth, and
+# ordinary stores read every line they write (52 GB/s against 40 delivered,
+# 2026-12-01).
 WORKER_STREAM_MIN = 4 << 20
 
 
@@ -171,9 +173,9 @@ def llc_bytes(root: str = "/") -> Optional[int]:
 
 
 def main_stream_min() -> int:
-    """stream_min for the main process: past its last-level cache, at least
+    """stream_min for the main process: half its last-level cache, at least
     WORKER_STREAM_MIN."""
-    return max(WORKER_STREAM_MIN, llc_bytes() or 0)
+    return max(WORKER_STREAM_MIN, (llc_bytes() or 0) // 2)
 
 
 _stream_min_given: Optional[int] = None  # FASTPIN_COPY's stream_min: workers keep it too

@@ -270,12 +270,13 @@ def test_the_last_level_cache_is_summed_over_distinct_caches(tmp_path, monkeypat
     assert _pin.llc_bytes(str(tmp_path / "nowhere")) is None
 
 
-def test_streaming_stores_start_past_the_last_level_cache():
-    """Measured on the H100 machine: streaming stores slowed cache-cold copies of
-    32-128 MiB to 0.66-0.72x, and paid only past its 300 MiB cache."""
+def test_streaming_stores_start_where_a_copy_passes_the_last_level_cache():
+    """Measured on the H100 and H200 machines (300 MiB of last-level cache):
+    streaming stores slowed cache-cold copies of 32-128 MiB to 0.66-0.84x, and
+    paid from 256 MiB, where source and destination together pass the cache."""
     if _pin._stream_min_given is not None:
         pytest.skip("FASTPIN_COPY sets stream_min")
-    assert _C.copy_tuning()["stream_min"] == max(4 * MiB, _pin.llc_bytes() or 0)
+    assert _C.copy_tuning()["stream_min"] == max(4 * MiB, (_pin.llc_bytes() or 0) // 2)
 
 
 class _StreamMin(torch.utils.data.Dataset):
