@@ -20,8 +20,15 @@ from pin_small import median_us  # beside this file: python puts its folder firs
 
 def parts(x, arena, cuda: bool) -> dict:
     leaves = [x]
+    # x (uint8) copied by torch into memory held throughout: the copy alone,
+    # against torch's pin (allocation and copy) and fastpin's (the same plus
+    # its block and its tensor).
+    block = torch.from_dlpack(arena.alloc(x.nbytes))[:x.nbytes]
+    pinned = torch.empty_like(x, pin_memory=True) if cuda else None
     return {
         "torch.empty_like(x).copy_(x)": lambda: torch.empty_like(x).copy_(x),
+        "held pinned tensor.copy_(x)": (lambda: pinned.copy_(x)) if cuda else None,
+        "held fastpin block.copy_(x)": lambda: block.copy_(x),
         "x.pin_memory()": (lambda: x.pin_memory()) if cuda else None,
         "x.is_pinned()": lambda: x.is_pinned(),
         "x.requires_grad, x.is_neg()": lambda: (x.requires_grad, x.is_neg()),
@@ -91,6 +98,9 @@ def main() -> None:
                 print(f"  {name:40s} {median_us(fn, args.calls):8.2f}")
         print(f"  {'_C.copy into one held block':40s} {copy_into_block(x, arena, args.calls):8.2f}")
         print(f"  distinct blocks over 1000 pin_memory calls: {blocks_cycled(x, 1000)}")
+        if cuda:
+            torch_blocks = len({x.pin_memory().data_ptr() for _ in range(1000)})
+            print(f"  distinct blocks over 1000 x.pin_memory() calls: {torch_blocks}")
     if args.pool_sizes:
         pool_against_caller(arena, args.pool_sizes, min(args.calls, 2000))
 
