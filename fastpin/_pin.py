@@ -142,34 +142,53 @@ def parse_copy_knobs(text: str) -> dict:
 WORKER_STREAM_MIN = 4 << 20
 
 
+def _cpu_list(text: str) -> set:
+    """sysfs's CPU list ("0-3,8-11") as a set."""
+    cpus: set = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def _top_cache(root: str, cpu: int) -> Optional[tuple]:
+    """(bytes, the CPUs sharing it) of `cpu`'s highest-level data or unified
+    cache, from sysfs; None where it cannot be read."""
+    base = os.path.join(root, f"sys/devices/system/cpu/cpu{cpu}/cache")
+    best = None
+    try:
+        indexes = [e for e in os.listdir(base) if e.startswith("index")]
+    except OSError:
+        return None
+    for index in indexes:
+        def field(name: str) -> str:
+            with open(os.path.join(base, index, name)) as f:
+                return f.read().strip()
+        try:
+            if field("type") == "Instruction":
+                continue
+            level = int(field("level"))
+            if best is None or level > best[0]:
+                best = (level, _env_bytes(field("size")), _cpu_list(field("shared_cpu_list")))
+        except (OSError, ValueError):
+            continue
+    return best[1:] if best else None
+
+
 def llc_bytes(root: str = "/") -> Optional[int]:
     """The last-level caches this process's CPUs share, summed over the
     distinct ones (a socket or a core complex each), from sysfs; None where
-    it cannot be read."""
-    caches: dict = {}
-    top = 0
+    it cannot be read. Each cache is read once, from its first CPU."""
+    covered: set = set()
+    total = 0
     for cpu in sorted(os.sched_getaffinity(0)):
-        base = os.path.join(root, f"sys/devices/system/cpu/cpu{cpu}/cache")
-        try:
-            indexes = [e for e in os.listdir(base) if e.startswith("index")]
-        except OSError:
+        if cpu in covered:
             continue
-        for index in indexes:
-            def field(name: str) -> str:
-                with open(os.path.join(base, index, name)) as f:
-                    return f.read().strip()
-            try:
-                if field("type") == "Instruction":
-                    continue
-                level, size, shared = int(field("level")), _env_bytes(field("size")), field(
-                    "shared_cpu_list")
-            except (OSError, ValueError):
-                continue
-            if level > top:
-                caches, top = {}, level
-            if level == top:
-                caches[shared] = size
-    return sum(caches.values()) or None
+        top = _top_cache(root, cpu)
+        if top is not None:
+            total += top[0]
+            covered |= top[1] | {cpu}
+    return total or None
 
 
 def main_stream_min() -> int:

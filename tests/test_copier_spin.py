@@ -258,14 +258,16 @@ def _fake_cache(root, cpu: int, index: int, level: int, kind: str, size: str, sh
 
 
 def test_the_last_level_cache_is_summed_over_distinct_caches(tmp_path, monkeypatch):
-    """Two core complexes of 32 MiB each (each CPU's highest level, instruction
-    caches and lower levels left out) are 64 MiB; nothing readable is None."""
-    monkeypatch.setattr(_pin.os, "sched_getaffinity", lambda pid: {0, 1, 2})
-    for cpu in range(3):
+    """Two core complexes of 32 MiB each, their CPUs interleaved (each CPU's
+    highest level; instruction caches and lower levels left out), are 64 MiB;
+    nothing readable is None."""
+    monkeypatch.setattr(_pin.os, "sched_getaffinity", lambda pid: set(range(6)))
+    for cpu in range(6):
         _fake_cache(tmp_path, cpu, 0, 1, "Data", "48K", str(cpu))
         _fake_cache(tmp_path, cpu, 1, 1, "Instruction", "4096K", str(cpu))
         _fake_cache(tmp_path, cpu, 2, 2, "Unified", "2048K", str(cpu))
-        _fake_cache(tmp_path, cpu, 3, 3, "Unified", "32768K", "0-1" if cpu < 2 else "2")
+        _fake_cache(tmp_path, cpu, 3, 3, "Unified", "32768K", "0-1,4" if cpu in (0, 1, 4)
+                    else "2-3,5")
     assert _pin.llc_bytes(str(tmp_path)) == 64 * MiB
     assert _pin.llc_bytes(str(tmp_path / "nowhere")) is None
 
