@@ -546,7 +546,10 @@ int fp_copier_set_affinity(fp_copier_t *copier, const int *cpus, size_t count);
  *     the run's pieces of 4 KiB or more; smaller ones go by memcpy): a
  *     destination that large is read by DMA or from memory anyway, and such
  *     stores do not read every line before writing it (a third less memory
- *     traffic). fp_copier_set_streaming(copier, 0) turns them off. */
+ *     traffic). fp_copier_set_streaming(copier, 0) turns them off. The
+ *     main process starts them at half the last-level cache instead (cold
+ *     copies of 32-128 MiB were slower with them: fastpin/_pin.py); zero-copy
+ *     workers, packing side by side, keep this. */
 /* (A build may set the two thresholds: benchmarks/pool_sizes.c compares.) */
 #ifndef FP_COPIER_INLINE
 #define FP_COPIER_INLINE ((size_t)1 << 20)
