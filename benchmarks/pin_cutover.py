@@ -62,7 +62,7 @@ SETTINGS = {
     "pool": {"inline_max": 0, "inline_spin": 0},
     "spin100us_pool": {"spin_ns": 100_000, "inline_max": 0, "inline_spin": 0},
     "stream_off": {"streaming": False},
-    # streaming from 4 MiB, as before the main process's start moved past the LLC
+    # streaming from 4 MiB: the main process's default before it moved to half the LLC
     "stream_4m": {"stream_min": 4 * MiB},
     "spin100us_stream_off": {"spin_ns": 100_000, "streaming": False},
     "spin100us_stream_all": {"spin_ns": 100_000, "stream_min": 0},
