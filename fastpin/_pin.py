@@ -13,6 +13,7 @@ from ._arena import ON_FULL, cuda_available, default_arena, made_default_arena
 from ._grow import GrowingArena
 from ._runtime import count, counts, first, settings
 from ._leaves import Plan, is_leaf
+from ._numa import parse_cpulist
 from ._walk import flatten, unflatten
 
 log = logging.getLogger("fastpin")
@@ -142,15 +143,6 @@ def parse_copy_knobs(text: str) -> dict:
 WORKER_STREAM_MIN = 4 << 20
 
 
-def _cpu_list(text: str) -> set:
-    """sysfs's CPU list ("0-3,8-11") as a set."""
-    cpus: set = set()
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
 def _top_cache(root: str, cpu: int) -> Optional[tuple]:
     """(bytes, the CPUs sharing it) of `cpu`'s highest-level data or unified
     cache, from sysfs; None where it cannot be read."""
@@ -169,7 +161,7 @@ def _top_cache(root: str, cpu: int) -> Optional[tuple]:
                 continue
             level = int(field("level"))
             if best is None or level > best[0]:
-                best = (level, _env_bytes(field("size")), _cpu_list(field("shared_cpu_list")))
+                best = (level, _env_bytes(field("size")), set(parse_cpulist(field("shared_cpu_list"))))
         except (OSError, ValueError):
             continue
     return best[1:] if best else None
