@@ -80,7 +80,8 @@ def run(path: str, case: str, workers: int, batches: int) -> dict:
     w = workloads.CASES[case]
     dataset = w.make()
     make = w.factory(dataset, workers, batches + 10)
-    device = torch.device("cuda")
+    # Without a GPU (the CPU machine) the host paths run, and nothing is copied on.
+    device = torch.device("cuda") if torch.cuda.is_available() else None
     if path == "torch_floor":
         source = floor_loader(w, dataset, workers, batches + 10)
     elif path == "install":
@@ -105,7 +106,7 @@ def run(path: str, case: str, workers: int, batches: int) -> dict:
             t0, before = time.perf_counter(), threads()
         leaves = tensors(batch)
         nleaves = nleaves or len(leaves)
-        if leaves and not leaves[0].is_cuda:
+        if leaves and not leaves[0].is_cuda and device is not None:
             if pinned is None:
                 pinned = [x.is_pinned() for x in leaves]
             c0 = time.thread_time()

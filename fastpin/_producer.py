@@ -22,7 +22,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Optional
 
-from . import _numa
+from . import _install, _numa
 from ._runtime import memory_room, process
 
 if TYPE_CHECKING:
@@ -102,7 +102,8 @@ class _Producer:
             # _reset waits for every worker to resume).
             previous.wait()
             previous = None
-        self.source = iter(source)
+        with _install.loader_source():
+            self.source = iter(source)
         # Whether the source's batches come from worker processes: a thread
         # inside it then only waits on their queues (see waits_on_workers).
         self.worker_backed = _worker_backed(self.source)
