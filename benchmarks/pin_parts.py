@@ -20,6 +20,7 @@ from pin_small import median_us  # beside this file: python puts its folder firs
 
 def parts(x, arena, cuda: bool) -> dict:
     leaves = [x]
+    span = _pin._torch_copy or ()  # what pin_memory passes where torch has several threads
     # x (uint8) copied by torch into memory held throughout: the copy alone,
     # against torch's pin (allocation and copy) and fastpin's (the same plus
     # its block and its tensor).
@@ -34,6 +35,8 @@ def parts(x, arena, cuda: bool) -> dict:
         "x.requires_grad, x.is_neg()": lambda: (x.requires_grad, x.is_neg()),
         "fastpin.pin_memory(x)": lambda: fastpin.pin_memory(x),
         "arena.pin_tree(x, check_pinned)": lambda: arena.pin_tree(x, cuda),
+        "arena.pin_tree(x, check_pinned, *torch span)": lambda: arena.pin_tree(x, cuda, *span),
+        "arena.pin_tree(x, False, *torch span)": lambda: arena.pin_tree(x, False, *span),
         "arena.pin_batch([x], check_pinned)": lambda: arena.pin_batch(leaves, cuda),
         "arena.pin_batch([x], False)": lambda: arena.pin_batch(leaves, False),
         "arena.alloc(n) and its free": lambda: arena.alloc(x.nbytes),
@@ -95,8 +98,8 @@ def main() -> None:
         print(f"\n{size} bytes, median us of {args.calls} calls")
         for name, fn in parts(x, arena, cuda).items():
             if fn is not None:
-                print(f"  {name:40s} {median_us(fn, args.calls):8.2f}")
-        print(f"  {'_C.copy into one held block':40s} {copy_into_block(x, arena, args.calls):8.2f}")
+                print(f"  {name:46s} {median_us(fn, args.calls):8.2f}")
+        print(f"  {'_C.copy into one held block':46s} {copy_into_block(x, arena, args.calls):8.2f}")
         print(f"  distinct blocks over 1000 pin_memory calls: {blocks_cycled(x, 1000)}")
         if cuda:
             torch_blocks = len({x.pin_memory().data_ptr() for _ in range(1000)})

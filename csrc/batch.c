@@ -597,6 +597,32 @@ static PyObject *fp_tree_build(const fp_tree_t *t, size_t *at, PyObject *outs, P
     return seq;
 }
 
+/* `data` pinned into `arena` (see pin_tree): a new reference, NotImplemented
+ * for the Python pipeline, or NULL with an exception. */
+static PyObject *fp_pin_tree(fp_state *st, ArenaObject *arena, PyObject *data, int check_pinned,
+                             const fp_span_t *span)
+{
+    fp_tree_t t = {0};
+    PyObject *result = NULL;
+    int walked = fp_tree_walk(st, &t, data, 0);
+    if (walked == 0)
+        result = Py_NewRef(Py_NotImplemented);
+    if (walked <= 0)
+        goto done;
+    PyObject *outs = fp_pin_items(st, arena, t.leaves, (Py_ssize_t)t.nleaves, check_pinned, span);
+    if (outs == Py_None)
+        result = Py_NewRef(Py_NotImplemented);
+    else if (outs) {
+        size_t at = 0;
+        Py_ssize_t leaf = 0;
+        result = fp_tree_build(&t, &at, outs, &leaf);
+    }
+    Py_XDECREF(outs);
+done:
+    fp_tree_free(&t);
+    return result;
+}
+
 PyObject *Arena_pin_tree(ArenaObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     fp_state *st = fp_state_of_type(Py_TYPE(self));
@@ -614,25 +640,101 @@ PyObject *Arena_pin_tree(ArenaObject *self, PyObject *const *args, Py_ssize_t na
         if (PyErr_Occurred())
             return NULL;
     }
-    fp_tree_t t = {0};
-    PyObject *result = NULL;
-    int walked = fp_tree_walk(st, &t, args[0], 0);
-    if (walked == 0)
-        result = Py_NewRef(Py_NotImplemented);
-    if (walked <= 0)
-        goto done;
-    PyObject *outs = fp_pin_items(st, self, t.leaves, (Py_ssize_t)t.nleaves, check_pinned,
-                                  &span);
-    if (outs == Py_None)
-        result = Py_NewRef(Py_NotImplemented);
-    else if (outs) {
-        size_t at = 0;
-        Py_ssize_t leaf = 0;
-        result = fp_tree_build(&t, &at, outs, &leaf);
+    return fp_pin_tree(st, self, args[0], check_pinned, &span);
+}
+
+/* ---- fastpin.pin_memory's common call: pin_default ---------------------
+ *
+ * pin_memory(batch) with no arguments, once a call has found the default
+ * arena of the current GPU made: that arena, as set_pin_default names it,
+ * without its prologue's dozen Python steps (1-2 us a call). Anything else
+ * (another device current, a full arena, a forked child) answers None and
+ * the Python layer does the call. */
+
+PyObject *fp_set_pin_default(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    fp_state *st = PyModule_GetState(module);
+    if (nargs == 1 && args[0] == Py_None) {
+        Py_CLEAR(st->pin_default.arena);
+        Py_CLEAR(st->pin_default.threads);
+        Py_RETURN_NONE;
     }
-    Py_XDECREF(outs);
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "set_pin_default takes 1 or 6 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    long device = PyLong_AsLong(args[1]);
+    int check_pinned = PyObject_IsTrue(args[2]);
+    uint64_t lo = PyLong_AsUnsignedLongLong(args[3]), hi = PyLong_AsUnsignedLongLong(args[4]);
+    if (PyErr_Occurred() || check_pinned < 0)
+        return NULL;
+    if (!PyCallable_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "set_pin_default: threads must be callable");
+        return NULL;
+    }
+    Py_XSETREF(st->pin_default.arena, Py_NewRef(args[0]));
+    Py_XSETREF(st->pin_default.threads, Py_NewRef(args[5]));
+    st->pin_default.device = (int)device;
+    st->pin_default.check_pinned = check_pinned;
+    st->pin_default.lo = lo;
+    st->pin_default.hi = hi;
+    st->pin_default.pid = fp_pid();
+    Py_RETURN_NONE;
+}
+
+/* The Arena pin_default pins into (borrowed), or NULL: none set, or its
+ * GrowingArena's newest segment is not one. */
+static ArenaObject *fp_default_segment(fp_state *st, PyObject **held)
+{
+    PyObject *arena = st->pin_default.arena;
+    *held = NULL;
+    if (!arena || !fp_same_process(st->pin_default.pid) ||
+        fp_cuda_current_device() != st->pin_default.device)
+        return NULL;
+    if (Py_IS_TYPE(arena, st->ArenaType))
+        return (ArenaObject *)arena;
+    /* A GrowingArena: its segments, newest first, replaced whole on growth. */
+    PyObject **name = &st->names[FP_NAME_SEGMENTS]; /* use_torch interns the rest */
+    PyObject *segments = NULL;
+    if (*name || (*name = PyUnicode_InternFromString("segments")))
+        segments = PyObject_GetAttr(arena, *name);
+    if (!segments) {
+        PyErr_Clear();
+        return NULL;
+    }
+    *held = segments;
+    PyObject *first = PyTuple_Check(segments) && PyTuple_GET_SIZE(segments) > 0
+                          ? PyTuple_GET_ITEM(segments, 0)
+                          : NULL;
+    return first && Py_IS_TYPE(first, st->ArenaType) ? (ArenaObject *)first : NULL;
+}
+
+PyObject *fp_pin_default(PyObject *module, PyObject *data)
+{
+    fp_state *st = PyModule_GetState(module);
+    PyObject *held, *result = NULL;
+    ArenaObject *arena = fp_default_segment(st, &held);
+    if (!arena)
+        goto none;
+    /* torch's copy_ fills the span only where this thread has several torch
+     * threads (DataLoader's pin thread has one): asked at every call, as the
+     * Python layer did. */
+    PyObject *threads = PyObject_CallNoArgs(st->pin_default.threads);
+    long n = threads ? PyLong_AsLong(threads) : -1;
+    Py_XDECREF(threads);
+    if (n == -1 && PyErr_Occurred())
+        goto done;
+    fp_span_t span = {st->pin_default.lo, st->pin_default.hi}, none = {1, 0};
+    result = fp_pin_tree(st, arena, data, st->pin_default.check_pinned, n > 1 ? &span : &none);
+    if (!result && PyErr_ExceptionMatches(st->ArenaFullError)) {
+        PyErr_Clear(); /* the Python layer grows the arena, or applies on_full */
+        goto none;
+    }
+    goto done;
+none:
+    result = Py_NewRef(Py_None);
 done:
-    fp_tree_free(&t);
+    Py_XDECREF(held);
     return result;
 }
 
@@ -661,7 +763,8 @@ PyObject *fp_use_torch(PyObject *module, PyObject *args)
         [FP_NAME_REQUIRES_GRAD] = "requires_grad", [FP_NAME_IS_NEG] = "is_neg",
         [FP_NAME_IS_CONJ] = "is_conj", [FP_NAME_IS_PINNED] = "is_pinned",
         [FP_NAME_DTYPE] = "dtype", [FP_NAME_VIEW] = "view",
-        [FP_NAME_REQUIRES_GRAD_] = "requires_grad_", [FP_NAME_COPY_] = "copy_"};
+        [FP_NAME_REQUIRES_GRAD_] = "requires_grad_", [FP_NAME_COPY_] = "copy_",
+        [FP_NAME_SEGMENTS] = "segments"};
     for (int i = 0; i < FP_NAMES; i++)
         if (!st->names[i] && !(st->names[i] = PyUnicode_InternFromString(names[i])))
             return NULL;

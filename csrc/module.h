@@ -22,6 +22,7 @@ enum {
     FP_NAME_VIEW,
     FP_NAME_REQUIRES_GRAD_, /* the method (block_record.c) */
     FP_NAME_COPY_,          /* Tensor.copy_: a batch copied by torch (batch.c) */
+    FP_NAME_SEGMENTS,       /* GrowingArena.segments (batch.c's pin_default) */
     FP_NAMES
 };
 
@@ -53,6 +54,15 @@ typedef struct {
         uint64_t batches, leaves, bytes;
         uint64_t by_torch;    /* of the batches, those torch's copy_ filled */
     } pinned;                 /* what pin_batch placed in this process; under the GIL */
+    struct {
+        PyObject *arena;      /* the current device's default arena (an Arena or a
+                                 GrowingArena), or NULL: pin_default declines */
+        PyObject *threads;    /* torch.get_num_threads (or one answering 0) */
+        int device;           /* the current device it is for (-1: no GPU) */
+        int check_pinned;     /* pin_tree's check_pinned: a GPU is up */
+        uint64_t lo, hi;      /* pin_tree's torch span */
+        pid_t pid;            /* who set it: a forked child declines */
+    } pin_default;            /* set_pin_default(); under the GIL (batch.c) */
 } fp_state;
 
 typedef struct {
@@ -102,6 +112,8 @@ PyObject *fp_use_torch(PyObject *module, PyObject *args);
 PyObject *Arena_pin_batch(ArenaObject *self, PyObject *args);
 PyObject *Arena_pin_tree(ArenaObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *fp_pin_counts(PyObject *module, PyObject *ignored);
+PyObject *fp_set_pin_default(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *fp_pin_default(PyObject *module, PyObject *data);
 
 /* block_record.c */
 PyObject *Block_unpack(BlockObject *self, PyObject *const *args, Py_ssize_t nargs);

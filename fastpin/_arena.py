@@ -132,6 +132,7 @@ def configure(*, capacity: Union[int, str, None] = None, threads: Optional[int] 
             settings.device = index
         if numa is not None and numa != settings.numa:
             _arenas.clear()
+        _C.set_pin_default(None)  # pin_memory's next call finds the arena again
     if numa is not None:
         _numa.set_enabled(numa)
     if threads is not None:

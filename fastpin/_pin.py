@@ -79,6 +79,7 @@ def tune_copy(**knobs) -> dict:
         _C.set_streaming(bool(knobs["streaming"]))
     if "torch_copy" in knobs:
         _torch_copy = span
+        forget_default()
     return copy_tuning()
 
 
@@ -311,6 +312,15 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
 
     on_full overrides fastpin.configure(on_full=...) for this call: "fallback",
     "wait" or "raise" (see configure)."""
+    walked = False
+    # The current GPU's default arena ("cuda": what DataLoader passes).
+    common = (device is None or device == "cuda") and arena is None
+    if common and on_full is None:
+        # The common call, from the second on: one C call (see _remember).
+        out = _C.pin_default(data)
+        if out is not None and out is not NotImplemented:
+            return out
+        walked = out is NotImplemented and _torch_seen
     cuda = cuda_available()
     if cuda and not _graphs.watching:
         _graphs.watch()
@@ -328,8 +338,10 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
         try:
             # One C call for the common batch (lists, tuples and dicts of plain
             # tensors and arrays, each one memcpy).
-            out = fast_arena.pin_tree(data, cuda, *span)
+            out = NotImplemented if walked else fast_arena.pin_tree(data, cuda, *span)
             if out is not NotImplemented:
+                if common:
+                    _remember(fast_arena, cuda)
                 return out
             # Other containers (namedtuples, Mappings, dataclasses) are walked
             # here, and their leaves still placed in one C call; None: a leaf
@@ -343,6 +355,22 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     if spec is None:
         spec, leaves = flatten(data, is_leaf)
     return _pin_planned(spec, leaves, device, arena, on_full)
+
+
+def _remember(fast_arena, cuda: bool) -> None:
+    """Let _C.pin_default do pin_memory's common call from now on: no device or
+    arena named, into `fast_arena`, the current device's default arena, while
+    that device is current. Forgotten (forget_default) where what it read
+    changes: configure() of the arenas or the device, tune_copy()."""
+    index = _C.current_device()
+    if settings.device is None and (not cuda or index >= 0 and _graphs.watching):
+        lo, hi = _torch_copy if _torch_copy is not None else (1, 0)
+        _C.set_pin_default(fast_arena, index, cuda, lo, hi, _torch_threads)
+
+
+def forget_default() -> None:
+    """pin_memory's next call takes the Python path (and remembers again)."""
+    _C.set_pin_default(None)
 
 
 def _pin_planned(spec, leaves: list, device: Any, arena: Optional[_C.Arena],

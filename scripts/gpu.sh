@@ -190,7 +190,7 @@ if [ "$what" = engine ]; then
         tests/test_delivery_gpu.py tests/test_stream_safety.py tests/test_loader.py \
         tests/test_loader_stats.py tests/test_install.py tests/test_zero_copy.py \
         tests/test_zero_copy_reuse.py tests/test_zero_copy_sizing.py tests/test_record.py \
-        tests/test_shutdown.py tests/test_lifetime.py
+        tests/test_shutdown.py tests/test_lifetime.py tests/test_index_queue.py
     step timeout 60 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_delivery.py
     step timeout 90 env PYTHONPATH="$PWD" python3 benchmarks/install_threads.py --workers 15 \
         --batches 150 --case tokens --case token_windows --case images_f32 --case recsys \
