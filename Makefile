@@ -130,9 +130,9 @@ notebook: install-dev
 # fails the run even where a test passed (from a worker the test let die); one
 # in a subprocess whose stderr a test reads fails that test by its exit status.
 ASAN_PY_DIR := build/asan-py
-ASAN_PY_TESTS := test_pin_batch test_pin_memory test_properties test_dlpack test_arena \
+ASAN_PY_TESTS := test_pin_batch test_pin_memory test_pin_default test_properties test_dlpack test_arena \
 	test_zero_copy test_record test_shared_arena test_loader test_loader_stats test_install \
-	test_reliability test_settings
+	test_reliability test_settings test_index_queue
 # gcc 12's ASan takes no allocator lock around fork (LLVM added one in #75290):
 # a worker forked while another thread allocates can hang in its first malloc.
 # The first zero-copy Loader of the run did, 2 runs of 3; spawn starts it instead.

@@ -411,15 +411,11 @@ class _Pipe:
 
     def write(self, frame: bytes) -> bool:
         """Write `frame` whole if the pipe has room for it now; whether it did."""
-        if not self.pages:
-            return False
-        queued = struct.unpack("i", fcntl.ioctl(self.reader, termios.FIONREAD, b"\0" * 4))[0]
-        read = self.written - queued
-        while self.unread and self.unread[0][0] <= read:
-            self.taken -= self.unread.popleft()[1]
         pages = -(-len(frame) // _PAGE)
         if self.taken + pages > self.pages:
-            return False
+            self._count_read()  # the kernel asked only when the writes alone fill it
+            if self.taken + pages > self.pages:
+                return False
         view = memoryview(frame)
         while view:  # one write; the loop only for a signal between
             view = view[os.write(self.writer, view):]
@@ -427,6 +423,15 @@ class _Pipe:
         self.unread.append((self.written, pages))
         self.taken += pages
         return True
+
+    def _count_read(self) -> None:
+        """Drop the writes the reader has read whole (FIONREAD: the bytes unread)."""
+        if not self.pages:
+            return
+        unread = struct.unpack("i", fcntl.ioctl(self.reader, termios.FIONREAD, b"\0" * 4))[0]
+        read = self.written - unread
+        while self.unread and self.unread[0][0] <= read:
+            self.taken -= self.unread.popleft()[1]
 
 
 class IndexQueue(mp_queues.Queue):
