@@ -645,17 +645,19 @@ PyObject *Arena_pin_tree(ArenaObject *self, PyObject *const *args, Py_ssize_t na
 
 /* ---- fastpin.pin_memory's common call: pin_default ---------------------
  *
- * pin_memory(batch) with no arguments, once a call has found the default
- * arena of the current GPU made: that arena, as set_pin_default names it,
- * without its prologue's dozen Python steps (1-2 us a call). Anything else
- * (another device current, a full arena, a forked child) answers None and
- * the Python layer does the call. */
+ * pin_memory(batch) with no arguments, once a call has found the current
+ * GPU's default arena made: the same arena, read from the same registry
+ * (fastpin._arena's, by device) at each call, without the prologue's dozen
+ * Python steps (1-2 us a call). Anything else (a device set by configure(),
+ * no arena for the current device, a full arena, a forked child) answers None
+ * and the Python layer does the call. */
 
 PyObject *fp_set_pin_default(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     fp_state *st = PyModule_GetState(module);
     if (nargs == 1 && args[0] == Py_None) {
-        Py_CLEAR(st->pin_default.arena);
+        Py_CLEAR(st->pin_default.arenas);
+        Py_CLEAR(st->pin_default.settings);
         Py_CLEAR(st->pin_default.threads);
         Py_RETURN_NONE;
     }
@@ -663,18 +665,18 @@ PyObject *fp_set_pin_default(PyObject *module, PyObject *const *args, Py_ssize_t
         PyErr_Format(PyExc_TypeError, "set_pin_default takes 1 or 6 arguments (%zd given)", nargs);
         return NULL;
     }
-    long device = PyLong_AsLong(args[1]);
+    if (!PyDict_Check(args[0]) || !PyCallable_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "set_pin_default(arenas: dict, settings, check_pinned, "
+                                         "lo, hi, threads: callable)");
+        return NULL;
+    }
     int check_pinned = PyObject_IsTrue(args[2]);
     uint64_t lo = PyLong_AsUnsignedLongLong(args[3]), hi = PyLong_AsUnsignedLongLong(args[4]);
     if (PyErr_Occurred() || check_pinned < 0)
         return NULL;
-    if (!PyCallable_Check(args[5])) {
-        PyErr_SetString(PyExc_TypeError, "set_pin_default: threads must be callable");
-        return NULL;
-    }
-    Py_XSETREF(st->pin_default.arena, Py_NewRef(args[0]));
+    Py_XSETREF(st->pin_default.arenas, Py_NewRef(args[0]));
+    Py_XSETREF(st->pin_default.settings, Py_NewRef(args[1]));
     Py_XSETREF(st->pin_default.threads, Py_NewRef(args[5]));
-    st->pin_default.device = (int)device;
     st->pin_default.check_pinned = check_pinned;
     st->pin_default.lo = lo;
     st->pin_default.hi = hi;
@@ -682,40 +684,56 @@ PyObject *fp_set_pin_default(PyObject *module, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
-/* The Arena pin_default pins into (borrowed), or NULL: none set, or its
- * GrowingArena's newest segment is not one. */
-static ArenaObject *fp_default_segment(fp_state *st, PyObject **held)
+/* An interned name of st's (use_torch interns the rest), or NULL. */
+static PyObject *fp_name(fp_state *st, int which, const char *text)
 {
-    PyObject *arena = st->pin_default.arena;
-    *held = NULL;
-    if (!arena || !fp_same_process(st->pin_default.pid) ||
-        fp_cuda_current_device() != st->pin_default.device)
+    PyObject **name = &st->names[which];
+    if (!*name)
+        *name = PyUnicode_InternFromString(text);
+    return *name;
+}
+
+/* The Arena pin_default pins into (a new reference), or NULL (no error set):
+ * none set, a device configured, no arena for the current one, or its
+ * GrowingArena's newest segment not an Arena. */
+static ArenaObject *fp_default_segment(fp_state *st)
+{
+    PyObject *arenas = st->pin_default.arenas, *settings = st->pin_default.settings;
+    if (!arenas || !fp_same_process(st->pin_default.pid))
         return NULL;
-    if (Py_IS_TYPE(arena, st->ArenaType))
-        return (ArenaObject *)arena;
-    /* A GrowingArena: its segments, newest first, replaced whole on growth. */
-    PyObject **name = &st->names[FP_NAME_SEGMENTS]; /* use_torch interns the rest */
-    PyObject *segments = NULL;
-    if (*name || (*name = PyUnicode_InternFromString("segments")))
-        segments = PyObject_GetAttr(arena, *name);
-    if (!segments) {
+    PyObject *name = fp_name(st, FP_NAME_DEVICE, "device");
+    PyObject *device = name ? PyObject_GetAttr(settings, name) : NULL;
+    int configured = device != Py_None;
+    Py_XDECREF(device);
+    PyObject *index = configured ? NULL : PyLong_FromLong(fp_cuda_current_device());
+    PyObject *arena = index ? PyDict_GetItemWithError(arenas, index) : NULL; /* borrowed */
+    Py_XDECREF(index);
+    if (!arena) {
         PyErr_Clear();
         return NULL;
     }
-    *held = segments;
-    PyObject *first = PyTuple_Check(segments) && PyTuple_GET_SIZE(segments) > 0
+    if (Py_IS_TYPE(arena, st->ArenaType))
+        return (ArenaObject *)Py_NewRef(arena);
+    /* A GrowingArena: its segments, newest first, replaced whole on growth. */
+    name = fp_name(st, FP_NAME_SEGMENTS, "segments");
+    PyObject *segments = name ? PyObject_GetAttr(arena, name) : NULL;
+    PyObject *first = segments && PyTuple_Check(segments) && PyTuple_GET_SIZE(segments) > 0
                           ? PyTuple_GET_ITEM(segments, 0)
                           : NULL;
-    return first && Py_IS_TYPE(first, st->ArenaType) ? (ArenaObject *)first : NULL;
+    ArenaObject *out = first && Py_IS_TYPE(first, st->ArenaType) ? (ArenaObject *)Py_NewRef(first)
+                                                                 : NULL;
+    Py_XDECREF(segments);
+    PyErr_Clear();
+    return out;
 }
 
 PyObject *fp_pin_default(PyObject *module, PyObject *data)
 {
     fp_state *st = PyModule_GetState(module);
-    PyObject *held, *result = NULL;
-    ArenaObject *arena = fp_default_segment(st, &held);
+    PyObject *result = NULL;
+    ArenaObject *arena = fp_default_segment(st);
     if (!arena)
-        goto none;
+        Py_RETURN_NONE;
     /* torch's copy_ fills the span only where this thread has several torch
      * threads (DataLoader's pin thread has one): asked at every call, as the
      * Python layer did. */
@@ -728,13 +746,10 @@ PyObject *fp_pin_default(PyObject *module, PyObject *data)
     result = fp_pin_tree(st, arena, data, st->pin_default.check_pinned, n > 1 ? &span : &none);
     if (!result && PyErr_ExceptionMatches(st->ArenaFullError)) {
         PyErr_Clear(); /* the Python layer grows the arena, or applies on_full */
-        goto none;
+        result = Py_NewRef(Py_None);
     }
-    goto done;
-none:
-    result = Py_NewRef(Py_None);
 done:
-    Py_XDECREF(held);
+    Py_DECREF(arena);
     return result;
 }
 
@@ -764,7 +779,7 @@ PyObject *fp_use_torch(PyObject *module, PyObject *args)
         [FP_NAME_IS_CONJ] = "is_conj", [FP_NAME_IS_PINNED] = "is_pinned",
         [FP_NAME_DTYPE] = "dtype", [FP_NAME_VIEW] = "view",
         [FP_NAME_REQUIRES_GRAD_] = "requires_grad_", [FP_NAME_COPY_] = "copy_",
-        [FP_NAME_SEGMENTS] = "segments"};
+        [FP_NAME_SEGMENTS] = "segments", [FP_NAME_DEVICE] = "device"};
     for (int i = 0; i < FP_NAMES; i++)
         if (!st->names[i] && !(st->names[i] = PyUnicode_InternFromString(names[i])))
             return NULL;

@@ -546,15 +546,17 @@ static PyMethodDef fp_methods[] = {
      "pin_counts() -> (batches, leaves, bytes, by_torch): what Arena.pin_tree and\n"
      "pin_batch placed in this process; by_torch: the batches torch's copy_ filled."},
     {"set_pin_default", (PyCFunction)(void (*)(void))fp_set_pin_default, METH_FASTCALL,
-     "set_pin_default(arena, device, check_pinned, lo, hi, threads) | set_pin_default(None)\n"
-     "What pin_default pins into: `arena` (an Arena, or a GrowingArena, whose newest\n"
-     "segment it takes) while `device` is current, as arena.pin_tree(data,\n"
-     "check_pinned, lo, hi) where threads() > 1, else without the span. None: nothing."},
+     "set_pin_default(arenas, settings, check_pinned, lo, hi, threads) | set_pin_default(None)\n"
+     "What pin_default reads: the default arenas by device (an Arena, or a GrowingArena\n"
+     "whose newest segment it takes), declining while settings.device is set; it pins\n"
+     "as arena.pin_tree(data, check_pinned, lo, hi) where threads() > 1, else without\n"
+     "the span. None: nothing."},
     {"pin_default", fp_pin_default, METH_O,
      "pin_default(data) -> pinned data | NotImplemented | None\n"
-     "pin_tree into what set_pin_default named; None where it cannot: nothing set,\n"
-     "another device current, a forked child, the arena full (the Python layer then\n"
-     "grows it or applies on_full)."},
+     "pin_tree into the current device's default arena, as set_pin_default says; None\n"
+     "where it cannot: nothing set, a device configured, no arena for the current one,\n"
+     "a forked child, the arena full (the Python layer then grows it or applies\n"
+     "on_full)."},
     {"use_torch", fp_use_torch, METH_VARARGS,
      "use_torch(Tensor, api) -> bool\nLet pin_batch take torch tensors, through torch's\n"
      "DLPack C exchange API (the capsule Tensor.__dlpack_c_exchange_api__);\n"
@@ -661,7 +663,8 @@ static int fp_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->ArenaFullError);
     Py_VISIT(st->TensorType);
     Py_VISIT(st->torch_api_obj);
-    Py_VISIT(st->pin_default.arena);
+    Py_VISIT(st->pin_default.arenas);
+    Py_VISIT(st->pin_default.settings);
     Py_VISIT(st->pin_default.threads);
     Py_VISIT(st->byte_dtypes[0]);
     for (int i = 0; i < FP_FLAGS; i++)
@@ -683,7 +686,8 @@ static int fp_clear(PyObject *module)
     st->torch_api = NULL;
     Py_CLEAR(st->TensorType);
     Py_CLEAR(st->torch_api_obj);
-    Py_CLEAR(st->pin_default.arena);
+    Py_CLEAR(st->pin_default.arenas);
+    Py_CLEAR(st->pin_default.settings);
     Py_CLEAR(st->pin_default.threads);
     Py_CLEAR(st->byte_dtypes[0]);
     for (int i = 0; i < FP_FLAGS; i++)

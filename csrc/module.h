@@ -23,6 +23,7 @@ enum {
     FP_NAME_REQUIRES_GRAD_, /* the method (block_record.c) */
     FP_NAME_COPY_,          /* Tensor.copy_: a batch copied by torch (batch.c) */
     FP_NAME_SEGMENTS,       /* GrowingArena.segments (batch.c's pin_default) */
+    FP_NAME_DEVICE,         /* settings.device (the same) */
     FP_NAMES
 };
 
@@ -55,10 +56,10 @@ typedef struct {
         uint64_t by_torch;    /* of the batches, those torch's copy_ filled */
     } pinned;                 /* what pin_batch placed in this process; under the GIL */
     struct {
-        PyObject *arena;      /* the current device's default arena (an Arena or a
-                                 GrowingArena), or NULL: pin_default declines */
+        PyObject *arenas;     /* fastpin's default arenas by device (a dict), or
+                                 NULL: pin_default declines */
+        PyObject *settings;   /* fastpin's settings: declines where .device is set */
         PyObject *threads;    /* torch.get_num_threads (or one answering 0) */
-        int device;           /* the current device it is for (-1: no GPU) */
         int check_pinned;     /* pin_tree's check_pinned: a GPU is up */
         uint64_t lo, hi;      /* pin_tree's torch span */
         pid_t pid;            /* who set it: a forked child declines */

@@ -188,6 +188,15 @@ def h2d(
 def use_torch(tensor_type: type, api: Any, /) -> bool:
     """Let Arena.pin_batch take torch tensors through torch's DLPack C exchange
     API (Tensor.__dlpack_c_exchange_api__); False where that API is unusable."""
+def set_pin_default(arenas: dict[int, Any] | None, settings: Any = ..., check_pinned: bool = ...,
+                    lo: int = ..., hi: int = ..., threads: Callable[[], int] = ..., /) -> None:
+    """What pin_default reads: the default arenas by device, declining while
+    settings.device is set; pins as pin_tree(data, check_pinned, lo, hi) where
+    threads() > 1, else without the span. None: nothing."""
+def pin_default(data: Any, /) -> Any:
+    """pin_tree into the current device's default arena; NotImplemented where the
+    batch needs the Python walk; None where it cannot (nothing set, a device
+    configured, no arena for the current one, a forked child, the arena full)."""
 def pin_counts() -> tuple[int, int, int, int]:
     """(batches, leaves, bytes, by_torch) that Arena.pin_tree and pin_batch placed
     in this process; by_torch: the batches torch's copy_ filled."""

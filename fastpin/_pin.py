@@ -11,7 +11,7 @@ from typing import Any, Optional
 from . import _C, _graphs
 from ._arena import ON_FULL, cuda_available, default_arena, made_default_arena
 from ._grow import GrowingArena
-from ._runtime import count, counts, first, settings
+from ._runtime import count, counts, first, process, settings
 from ._leaves import Plan, is_leaf
 from ._numa import parse_cpulist
 from ._walk import flatten, unflatten
@@ -341,7 +341,7 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
             out = NotImplemented if walked else fast_arena.pin_tree(data, cuda, *span)
             if out is not NotImplemented:
                 if common:
-                    _remember(fast_arena, cuda)
+                    _remember(cuda)
                 return out
             # Other containers (namedtuples, Mappings, dataclasses) are walked
             # here, and their leaves still placed in one C call; None: a leaf
@@ -357,15 +357,15 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     return _pin_planned(spec, leaves, device, arena, on_full)
 
 
-def _remember(fast_arena, cuda: bool) -> None:
+def _remember(cuda: bool) -> None:
     """Let _C.pin_default do pin_memory's common call from now on: no device or
-    arena named, into `fast_arena`, the current device's default arena, while
-    that device is current. Forgotten (forget_default) where what it read
-    changes: configure() of the arenas or the device, tune_copy()."""
-    index = _C.current_device()
-    if settings.device is None and (not cuda or index >= 0 and _graphs.watching):
+    arena named, into the current device's default arena, read from the same
+    registry at each call (so it declines where none is made, or while
+    configure() names a device). Forgotten (forget_default) where what it
+    holds changes: configure(), tune_copy()."""
+    if not cuda or _graphs.watching:
         lo, hi = _torch_copy if _torch_copy is not None else (1, 0)
-        _C.set_pin_default(fast_arena, index, cuda, lo, hi, _torch_threads)
+        _C.set_pin_default(process.arenas, settings, cuda, lo, hi, _torch_threads)
 
 
 def forget_default() -> None:

@@ -62,6 +62,14 @@
 #                                holding an older checkout's csrc/, fastpin/ and
 #                                setup.py) the race there too, and its tests, which
 #                                must fail there
+#   bash scripts/gpu.sh percall      build, then (about 8 minutes): what one pin_memory call
+#                                and one delivered batch cost: the GPU tests of pin_default
+#                                and the index queues, pin_parts.py, the pin table at the
+#                                default settings (benchmarks/pin_cutover.py), main-process
+#                                CPU per batch by thread on tokens and recsys
+#                                (install_threads.py), and the small-batch cases at 15
+#                                workers through stock, the prefetcher, install(),
+#                                install(device) and the zero-copy Loader
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -226,6 +234,20 @@ if [ "$what" = parts ]; then
     for case in ${@:-tokens images_f32 recsys}; do cases="$cases --case $case"; done
     step timeout 300 env PYTHONPATH="$PWD" python3 benchmarks/delivery_parts.py --workers 15 \
         --batches 300 $cases --json "$OUT/parts.json"
+fi
+if [ "$what" = percall ]; then
+    step timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+        tests/test_pin_default.py tests/test_index_queue.py tests/test_gpu.py
+    step timeout 80 env PYTHONPATH="$PWD" python3 benchmarks/pin_parts.py --calls 1500 \
+        --sizes 262144 1048576 4194304 8388608
+    step timeout 170 env PYTHONPATH="$PWD" python3 benchmarks/pin_cutover.py --recommend \
+        --settings default --max-seconds 100 --json "$OUT/pin_cutover.json"
+    step timeout 70 env PYTHONPATH="$PWD" python3 benchmarks/install_threads.py --workers 15 \
+        --batches 300 --case tokens --case recsys --path install_device --path zero_copy_cuda \
+        --path install --path torch_floor --json "$OUT/engine_cpu.json"
+    step timeout 130 python3 -m fastpin.bench --case tokens --case token_windows --case recsys \
+        --workers 15 --path pin_memory --path prefetcher --path install --path install_device \
+        --path zero_copy --no-progress --json "$OUT/bench_small.json"
 fi
 if [ "$what" = profile ]; then
     step env PYTHONPATH="$PWD" python3 benchmarks/profile_zero_copy.py "$@"
