@@ -706,7 +706,7 @@ static ArenaObject *fp_default_segment(fp_state *st)
     int configured = device != Py_None;
     Py_XDECREF(device);
     PyObject *index = configured ? NULL : PyLong_FromLong(fp_cuda_current_device());
-    PyObject *arena = index ? PyDict_GetItemWithError(arenas, index) : NULL; /* borrowed */
+    PyObject *arena = index ? PyDict_GetItemWithError(arenas, index) : NULL;
     Py_XDECREF(index);
     if (!arena) {
         PyErr_Clear();
@@ -714,7 +714,9 @@ static ArenaObject *fp_default_segment(fp_state *st)
     }
     if (Py_IS_TYPE(arena, st->ArenaType))
         return (ArenaObject *)Py_NewRef(arena);
-    /* A GrowingArena: its segments, newest first, replaced whole on growth. */
+    /* A GrowingArena: its segments, newest first, replaced whole on growth.
+     * Held across the lookup, which could in principle run Python code. */
+    Py_INCREF(arena);
     name = fp_name(st, FP_NAME_SEGMENTS, "segments");
     PyObject *segments = name ? PyObject_GetAttr(arena, name) : NULL;
     PyObject *first = segments && PyTuple_Check(segments) && PyTuple_GET_SIZE(segments) > 0
@@ -723,6 +725,7 @@ static ArenaObject *fp_default_segment(fp_state *st)
     ArenaObject *out = first && Py_IS_TYPE(first, st->ArenaType) ? (ArenaObject *)Py_NewRef(first)
                                                                  : NULL;
     Py_XDECREF(segments);
+    Py_DECREF(arena);
     PyErr_Clear();
     return out;
 }
