@@ -765,6 +765,20 @@ def test_loader_takes_zero_copy_where_it_applies():
     assert loader.stats()["worker_fallbacks"] == 0
 
 
+@pytest.mark.filterwarnings(FORK_WARNING)
+def test_a_copying_loader_under_install_copies(accelerator, installed):
+    """Loader(zero_copy=False) opts its DataLoader's workers out of worker-side
+    collation under install() too: install()'s hook leaves the Loader's own
+    iterators to it."""
+    ds = PatternDataset(n=16, seed=19)
+    dl = DataLoader(ds, batch_size=4, num_workers=2, pin_memory=True)
+    loader = fastpin.Loader(dl, device=None, zero_copy=False)
+    for out, ref in zip(loader, expected_batches(ds), strict=True):
+        assert_batch(out, ref)
+        assert not any(in_shared_arena(t) for t in tensor_leaves(out))
+    assert fastpin._runtime.process.installed_pools.get(dl) is None
+
+
 def test_zero_copy_environment_opt_out():
     script = (
         "import torch, fastpin, warnings\n"
