@@ -25,6 +25,12 @@ Two hooks, both undone by uninstall():
   given (its workers were started with it) to its end, so an epoch in flight
   finishes either way.
 
+The second hook, once made (by install() or a Loader's first epoch), stays:
+it does nothing for the iterators of a stock DataLoader iterated outside
+install() and a Loader, and gives those of install() and of a Loader's own
+iter() IndexQueues (below): their workers' indices are written into the pipe
+by the thread that asks for them, not by a feeder thread woken per batch.
+
 The first hook also serves fastpin.Loader: a copying Loader over a DataLoader
 with workers iterates a view of it with pin_memory=True, and while such a
 view's pin thread runs, torch's pin function is _dispatch, which pins that
