@@ -684,15 +684,6 @@ PyObject *fp_set_pin_default(PyObject *module, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
-/* An interned name of st's (use_torch interns the rest), or NULL. */
-static PyObject *fp_name(fp_state *st, int which, const char *text)
-{
-    PyObject **name = &st->names[which];
-    if (!*name)
-        *name = PyUnicode_InternFromString(text);
-    return *name;
-}
-
 /* The Arena pin_default pins into (a new reference), or NULL (no error set):
  * none set, a device configured, no arena for the current one, or its
  * GrowingArena's newest segment not an Arena. */
@@ -701,8 +692,7 @@ static ArenaObject *fp_default_segment(fp_state *st)
     PyObject *arenas = st->pin_default.arenas, *settings = st->pin_default.settings;
     if (!arenas || !fp_same_process(st->pin_default.pid))
         return NULL;
-    PyObject *name = fp_name(st, FP_NAME_DEVICE, "device");
-    PyObject *device = name ? PyObject_GetAttr(settings, name) : NULL;
+    PyObject *device = PyObject_GetAttr(settings, st->names[FP_NAME_DEVICE]);
     int configured = device != Py_None;
     Py_XDECREF(device);
     PyObject *index = configured ? NULL : PyLong_FromLong(fp_cuda_current_device());
@@ -717,8 +707,7 @@ static ArenaObject *fp_default_segment(fp_state *st)
     /* A GrowingArena: its segments, newest first, replaced whole on growth.
      * Held across the lookup, which could in principle run Python code. */
     Py_INCREF(arena);
-    name = fp_name(st, FP_NAME_SEGMENTS, "segments");
-    PyObject *segments = name ? PyObject_GetAttr(arena, name) : NULL;
+    PyObject *segments = PyObject_GetAttr(arena, st->names[FP_NAME_SEGMENTS]);
     PyObject *first = segments && PyTuple_Check(segments) && PyTuple_GET_SIZE(segments) > 0
                           ? PyTuple_GET_ITEM(segments, 0)
                           : NULL;
@@ -765,6 +754,20 @@ PyObject *fp_pin_counts(PyObject *module, PyObject *Py_UNUSED(ignored))
                          (unsigned long long)st->pinned.by_torch);
 }
 
+int fp_names_init(fp_state *st)
+{
+    static const char *const names[FP_NAMES] = {
+        [FP_NAME_REQUIRES_GRAD] = "requires_grad", [FP_NAME_IS_NEG] = "is_neg",
+        [FP_NAME_IS_CONJ] = "is_conj", [FP_NAME_IS_PINNED] = "is_pinned",
+        [FP_NAME_DTYPE] = "dtype", [FP_NAME_VIEW] = "view",
+        [FP_NAME_REQUIRES_GRAD_] = "requires_grad_", [FP_NAME_COPY_] = "copy_",
+        [FP_NAME_SEGMENTS] = "segments", [FP_NAME_DEVICE] = "device"};
+    for (int i = 0; i < FP_NAMES; i++)
+        if (!(st->names[i] = PyUnicode_InternFromString(names[i])))
+            return -1;
+    return 0;
+}
+
 PyObject *fp_use_torch(PyObject *module, PyObject *args)
 {
     fp_state *st = PyModule_GetState(module);
@@ -777,15 +780,6 @@ PyObject *fp_use_torch(PyObject *module, PyObject *args)
     if (!api || api->header.version.major != FP_DLPACK_MAJOR ||
         !api->dltensor_from_py_object_no_sync || !api->managed_tensor_to_py_object_no_sync)
         Py_RETURN_FALSE;
-    static const char *const names[FP_NAMES] = {
-        [FP_NAME_REQUIRES_GRAD] = "requires_grad", [FP_NAME_IS_NEG] = "is_neg",
-        [FP_NAME_IS_CONJ] = "is_conj", [FP_NAME_IS_PINNED] = "is_pinned",
-        [FP_NAME_DTYPE] = "dtype", [FP_NAME_VIEW] = "view",
-        [FP_NAME_REQUIRES_GRAD_] = "requires_grad_", [FP_NAME_COPY_] = "copy_",
-        [FP_NAME_SEGMENTS] = "segments", [FP_NAME_DEVICE] = "device"};
-    for (int i = 0; i < FP_NAMES; i++)
-        if (!st->names[i] && !(st->names[i] = PyUnicode_InternFromString(names[i])))
-            return NULL;
     PyObject *flags[FP_FLAGS];
     for (int i = 0; i < FP_FLAGS; i++)
         if (!(flags[i] = PyObject_GetAttr(type, st->names[i]))) {

@@ -219,15 +219,6 @@ PyObject *Block_unpack(BlockObject *self, PyObject *const *args, Py_ssize_t narg
         if (!u.from_dlpack)
             return NULL;
     }
-    if (!st->names[FP_NAME_VIEW] || !st->names[FP_NAME_REQUIRES_GRAD_]) {
-        static const char *const names[] = {[FP_NAME_VIEW] = "view",
-                                            [FP_NAME_REQUIRES_GRAD_] = "requires_grad_"};
-        for (int i = FP_NAME_VIEW; i <= FP_NAME_REQUIRES_GRAD_; i++)
-            if (!st->names[i] && !(st->names[i] = PyUnicode_InternFromString(names[i]))) {
-                Py_XDECREF(u.from_dlpack);
-                return NULL;
-            }
-    }
     PyObject *out = fp_unpack_node(&u);
     Py_XDECREF(u.from_dlpack);
     return out;

@@ -616,6 +616,8 @@ static int fp_exec(PyObject *module)
         return -1;
     fp_state *st = PyModule_GetState(module);
     fp_copier_tuning_default(&st->tuning);
+    if (fp_names_init(st) < 0)
+        return -1;
     st->ArenaType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Arena_spec, NULL);
     st->BlockType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Block_spec, NULL);
     if (!st->ArenaType || !st->BlockType)

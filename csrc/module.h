@@ -11,7 +11,8 @@
 #include "dlpack.h"
 #include "fastpin.h"
 
-/* Attribute names batch.c asks torch tensors for, interned once. */
+/* Attribute names the bindings ask objects for, interned when the module is
+ * made (fp_names_init). */
 enum {
     FP_NAME_REQUIRES_GRAD,
     FP_NAME_IS_NEG,
@@ -109,6 +110,8 @@ int fp_pin_copies(fp_state *st, fp_arena_t *arena, fp_copy_t *copies,
                   const uint64_t *offsets, Py_ssize_t n, uint64_t total, fp_lease_t **lease);
 
 /* batch.c */
+/* Interns st->names; 0, or -1 with an exception. */
+int fp_names_init(fp_state *st);
 PyObject *fp_use_torch(PyObject *module, PyObject *args);
 PyObject *Arena_pin_batch(ArenaObject *self, PyObject *args);
 PyObject *Arena_pin_tree(ArenaObject *self, PyObject *const *args, Py_ssize_t nargs);

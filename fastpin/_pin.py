@@ -316,7 +316,8 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     # The current GPU's default arena ("cuda": what DataLoader passes).
     common = (device is None or device == "cuda") and arena is None
     if common and on_full is None:
-        # The common call, from the second on: one C call (see _remember).
+        # The common call, once a call has found the default arena made: one
+        # C call (see _remember).
         out = _C.pin_default(data)
         if out is not None and out is not NotImplemented:
             return out
