@@ -136,8 +136,17 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def assert_same(out, ref):
-    """`out` is a copy of `ref`: same type, dtype, shape, and the same bits."""
-    if isinstance(ref, torch.Tensor):
+    """`out` is a copy of `ref`: same type, dtype, shape, and the same bits;
+    dicts, lists and tuples of them the same type and keys, leaf by leaf."""
+    if isinstance(ref, (dict, list, tuple)):
+        assert type(out) is type(ref), type(out)
+        if isinstance(ref, dict):
+            assert list(out) == list(ref)
+            out, ref = list(out.values()), list(ref.values())
+        assert len(out) == len(ref)
+        for o, r in zip(out, ref):
+            assert_same(o, r)
+    elif isinstance(ref, torch.Tensor):
         assert isinstance(out, torch.Tensor), type(out)
         assert out.dtype == ref.dtype
         assert out.shape == ref.shape

@@ -14,21 +14,6 @@ from conftest import assert_same, in_arena, patterned
 from fastpin import _C, _pin
 
 
-def same(out, ref) -> None:
-    """assert_same over dicts, lists and tuples of leaves, types kept."""
-    assert type(out) is type(ref)
-    if isinstance(ref, dict):
-        assert out.keys() == ref.keys()
-        for k in ref:
-            same(out[k], ref[k])
-    elif isinstance(ref, (list, tuple)):
-        assert len(out) == len(ref)
-        for o, r in zip(out, ref):
-            same(o, r)
-    else:
-        assert_same(out, ref)
-
-
 def batch(seed: int, nbytes: int = 4096) -> dict:
     return {"x": patterned((nbytes // 4,), torch.float32, seed=seed),
             "y": [patterned((3, 5), torch.int64, seed=seed + 1)]}
@@ -46,12 +31,12 @@ def fresh():
 def test_the_second_call_is_one_c_call_into_the_default_arena(fresh):
     assert _C.pin_default(batch(0)) is None  # nothing remembered yet
     for seed in (0, 1):  # the first may make the arena; the one after it remembers it
-        same(fastpin.pin_memory(batch(seed)), batch(seed))
+        assert_same(fastpin.pin_memory(batch(seed)), batch(seed))
     again = _C.pin_default(batch(2))
     assert again is not None and again is not NotImplemented
-    same(again, batch(2))
+    assert_same(again, batch(2))
     out = fastpin.pin_memory(batch(3), "cuda")  # what DataLoader passes
-    same(out, batch(3))
+    assert_same(out, batch(3))
     for leaf in (again["x"], again["y"][0], out["x"]):
         assert in_arena(leaf, fastpin.default_arena())
 
@@ -63,7 +48,7 @@ def test_configure_forgets_the_arena(fresh):
     assert _C.pin_default(batch(1)) is None
     fastpin.pin_memory(batch(1))  # makes the new arena
     out = fastpin.pin_memory(batch(2))
-    same(out, batch(2))
+    assert_same(out, batch(2))
     new = fastpin.default_arena()
     assert new is not old and in_arena(out["x"], new) and not in_arena(out["x"], old)
     assert _C.pin_default(batch(3)) is not None
@@ -89,7 +74,7 @@ def test_torch_copy_span_follows_the_threads_at_each_call(fresh):
             torch.set_num_threads(n)
             count = _C.pin_counts()[3]
             out = fastpin.pin_memory(x)
-            same(out, x)
+            assert_same(out, x)
             assert (_C.pin_counts()[3] > count) is taken
     finally:
         torch.set_num_threads(threads)
@@ -101,12 +86,12 @@ def test_a_full_segment_lets_the_python_path_grow_it(fresh):
     big = patterned((arena.capacity // 4 + 1024,), torch.float32, seed=5)  # more than it holds
     held = [fastpin.pin_memory(batch(k)) for k in range(3)]
     out = fastpin.pin_memory(big)
-    same(out, big)
+    assert_same(out, big)
     assert in_arena(out, fastpin.default_arena())
     after = fastpin.pin_memory(batch(9))
-    same(after, batch(9))
+    assert_same(after, batch(9))
     for k, h in enumerate(held):
-        same(h, batch(k))
+        assert_same(h, batch(k))
 
 
 def test_other_containers_and_policies_take_the_python_path(fresh):
@@ -116,7 +101,7 @@ def test_other_containers_and_policies_take_the_python_path(fresh):
     assert _C.pin_default(pair) is NotImplemented
     out = fastpin.pin_memory(pair)
     assert type(out) is Pair
-    same(out, pair)
+    assert_same(out, pair)
     with pytest.raises(_C.ArenaFullError):
         fastpin.pin_memory(_too_big(), on_full="raise")
 
