@@ -47,21 +47,14 @@ way, and DataLoader's per-tensor shared-memory IPC is gone in all three.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-import fcntl
-import os
-import queue
-import struct
 import sys
-import termios
 import threading
 import weakref
 from multiprocessing import queues as mp_queues
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional
 
-from . import _ahead, _delivery, _graphs, _numa, _torch
+from . import _ahead, _delivery, _graphs, _numa, _queues, _torch
 from ._arena import cuda_status, device_index
 from ._pin import pin_memory
 from ._runtime import check_bool, cuda_available, process, replaced, settings
@@ -392,87 +385,6 @@ def _pool_for(loader, index: Optional[int] = None) -> tuple:
     return pool, stats
 
 
-# ---- index queues ----------------------------------------------------------
-
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-_FRAME = struct.Struct("!i")  # multiprocessing.Connection's length prefix
-
-
-class _Pipe:
-    """The write end of a pipe that one process alone writes to, and what it
-    has written that the reader may not have read yet. A write the pipe has
-    pages free for never blocks: Linux puts a write into the last page when
-    it fits there and else into new pages, so a write of n bytes takes at
-    most ceil(n / page) pages, which stay taken until it is read."""
-
-    def __init__(self, writer: int, reader: int):
-        self.writer, self.reader = writer, reader
-        try:
-            self.pages = fcntl.fcntl(writer, fcntl.F_GETPIPE_SZ) // _PAGE
-        except OSError:  # not a pipe: every write goes to the feeder
-            self.pages = 0
-        self.written = 0
-        self.unread: collections.deque = collections.deque()  # (end offset, pages) a write
-        self.taken = 0  # pages the unread writes may hold
-
-    def write(self, frame: bytes) -> bool:
-        """Write `frame` whole if the pipe has room for it now; whether it did."""
-        pages = -(-len(frame) // _PAGE)
-        if self.taken + pages > self.pages:
-            self._count_read()  # the kernel asked only when the writes alone fill it
-            if self.taken + pages > self.pages:
-                return False
-        view = memoryview(frame)
-        while view:  # one write; the loop only for a signal between
-            view = view[os.write(self.writer, view):]
-        self.written += len(frame)
-        self.unread.append((self.written, pages))
-        self.taken += pages
-        return True
-
-    def _count_read(self) -> None:
-        """Drop the writes the reader has read whole (FIONREAD: the bytes unread)."""
-        if not self.pages:
-            return
-        unread = struct.unpack("i", fcntl.ioctl(self.reader, termios.FIONREAD, b"\0" * 4))[0]
-        read = self.written - unread
-        while self.unread and self.unread[0][0] <= read:
-            self.taken -= self.unread.popleft()[1]
-
-
-class IndexQueue(mp_queues.Queue):
-    """A DataLoader iterator's index queue (the main process sends each worker
-    the indices of its next batches) that writes each message into the pipe
-    from the thread that puts it, where the pipe has room for all of it now:
-    torch's multiprocessing.Queue hands every message to a feeder thread, and
-    waking that thread cost the main process 35-60 us a batch on the CPU
-    machine, as much as the rest of torch's own protocol. A message the pipe
-    has no room for (a worker that lags, indices of a very large batch) goes
-    to the feeder as before, and so does every later one: messages keep their
-    order, and nothing blocks that would not have blocked before."""
-
-    _pipe: Optional[_Pipe] = None
-
-    def put(self, obj, block=True, timeout=None):
-        if self._thread is None and not self._closed:
-            data = ForkingPickler.dumps(obj)
-            if not self._sem.acquire(block, timeout):
-                raise queue.Full
-            with self._wlock:
-                if self._pipe is None:
-                    self._pipe = _Pipe(self._writer.fileno(), self._reader.fileno())
-                if self._pipe.write(_FRAME.pack(len(data)) + bytes(data)):
-                    return
-            self._sem.release()
-        super().put(obj, block, timeout)
-
-    def close(self):
-        super().close()
-        if self._thread is None:  # no feeder to close the pipe after its last message
-            self._reader.close()
-            self._writer.close()
-
-
 def _send_indices_directly(it) -> None:
     """From its first batch's indices on, DataLoader iterator `it` (being made:
     its index queues come next, made by torch) sends them through IndexQueues."""
@@ -483,7 +395,10 @@ def _send_indices_directly(it) -> None:
         del it._try_put_index  # the class's from now on
         for q in getattr(it, "_index_queues", ()):
             if type(q) is mp_queues.Queue and q._thread is None and q._wlock is not None:
-                q.__class__ = IndexQueue
+                q.__class__ = _queues.IndexQueue
+        q = getattr(it, "_worker_result_queue", None)
+        if type(q) is mp_queues.Queue and q._thread is None:
+            q.__class__ = _queues.ResultQueue
         return it._try_put_index(*args, **kwargs)
 
     it._try_put_index = first

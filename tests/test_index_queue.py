@@ -6,6 +6,9 @@ through the feeder, in order, and nothing blocks."""
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.reduction
+import os
+import struct
 import threading
 
 import pytest
@@ -13,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import fastpin
-from fastpin import _install
+from fastpin import _queues
 
 FORK_WARNING = "ignore:.*use of fork\\(\\) may lead to deadlocks:DeprecationWarning"
 
@@ -102,13 +105,13 @@ def test_plain_iteration_keeps_torchs_queues():
     loader = DataLoader(Indexed(), batch_size=8, num_workers=2)
     it = iter(loader)
     _assert_batches(list(it), 8)
-    assert all(type(q) is not _install.IndexQueue for q in it._index_queues)
+    assert all(type(q) is not _queues.IndexQueue for q in it._index_queues)
 
 
 def test_a_full_pipe_never_blocks_and_order_holds():
     q = multiprocessing.get_context("fork").Queue()
     q.cancel_join_thread()
-    q.__class__ = _install.IndexQueue
+    q.__class__ = _queues.IndexQueue
     messages = [(k, list(range(k % 7 * 300))) for k in range(400)]  # about 700 KB in all
     done = threading.Event()
 
@@ -122,4 +125,80 @@ def test_a_full_pipe_never_blocks_and_order_holds():
     assert done.wait(60), "put() blocked on a full pipe"
     assert q._thread is not None
     assert [q.get(timeout=10) for _ in messages] == messages
+    q.close()
+
+
+# ---- result queues: the main process only wakes their reader -----------------
+
+def result_queue():
+    q = multiprocessing.get_context("fork").Queue()
+    q.__class__ = _queues.ResultQueue
+    return q
+
+
+def test_a_wake_up_reaches_the_reader_without_a_feeder_thread():
+    q, before = result_queue(), feeders()
+    q.put((None, None))
+    assert q.get(timeout=10) == (None, None)  # and the queue's count of messages holds
+    q.put((7, "x"))
+    assert q.get(timeout=10) == (7, "x")
+    assert feeders() <= before
+    q.close()
+    assert q._reader.closed and q._writer.closed  # no feeder to close them
+
+
+def test_no_wake_up_while_a_writer_holds_the_lock():
+    """A worker writing wakes the reader itself; one that died holding the lock
+    leaves it held for good, and waiting on it would never end."""
+    q, before = result_queue(), feeders()
+    assert q._wlock.acquire(timeout=10)
+    try:
+        assert not _queues.wake(q, None)
+        q.put((None, None))  # returns at once, starts nothing
+        assert feeders() <= before
+        assert not q._reader.poll(0.2)
+        # Every writer gone: the lock was a dead one's, and the message goes in.
+        assert _queues.wake(q, ("last", 1), writers_gone=True)
+        assert q.get(timeout=10) == ("last", 1)
+    finally:
+        q._wlock.release()
+    q.close()
+
+
+def test_no_wake_up_into_a_full_pipe():
+    """The reader of a full pipe has plenty to read: wake() never blocks there,
+    and what is in the pipe stays whole."""
+    q = result_queue()
+    fd = os.open(f"/proc/self/fd/{q._writer.fileno()}", os.O_WRONLY | os.O_NONBLOCK)
+    messages = []
+    try:
+        # Fill it as workers would, one whole message a write: messages of 1 KB,
+        # then of the wake-up's own size, until not one more fits.
+        for size in (1000, None):
+            while True:
+                m = None if size is None else (len(messages), bytes([len(messages) % 251]) * size)
+                data = multiprocessing.reduction.ForkingPickler.dumps(m)
+                q._sem.acquire()
+                try:
+                    os.write(fd, struct.pack("!i", len(data)) + bytes(data))
+                except BlockingIOError:
+                    q._sem.release()
+                    break
+                messages.append(m)
+    finally:
+        os.close(fd)
+    before, done = feeders(), threading.Event()
+    assert not _queues.wake(q, None)
+    threading.Thread(target=lambda: (q.put((None, None)), done.set()), daemon=True).start()
+    assert done.wait(10), "put() blocked on a full pipe"
+    assert feeders() <= before
+    assert [q.get(timeout=10) for _ in messages] == messages
+    assert not q._reader.poll(0.2)
+    q.close()
+
+
+def test_a_wake_up_too_large_for_one_atomic_write_is_refused():
+    q = result_queue()
+    with pytest.raises(ValueError, match="wake-up message"):
+        _queues.wake(q, b"x" * 5000)
     q.close()

@@ -3,7 +3,9 @@ fastpin.collate as a DataLoader collate_fn."""
 from __future__ import annotations
 
 import collections
+import gc
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -691,6 +693,35 @@ def test_break_leaks_nothing(persistent, pin_thread, zero_copy, nothing_left_beh
     del dl
     assert_released(arenas, shm)
     del arenas
+
+
+def feeder_threads() -> set:
+    return {t for t in threading.enumerate() if t.name == "QueueFeederThread"}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_end_with_the_result_queue_lock_lost(persistent, pin_thread, zero_copy,
+                                             nothing_left_behind):
+    """A worker that dies while it writes into the result queue (killed, or
+    leaving with its feeder thread mid-write) leaves the queue's write lock
+    held for ever. At the iterator's end torch wakes its pin thread with a
+    message put from the main process, through a feeder thread that takes
+    that lock: it would wait there for good, holding both ends of the pipe.
+    Here the test holds the lock, as the dead worker would."""
+    feeders = feeder_threads()
+    dl = DataLoader(PatternDataset(n=40, seed=17), batch_size=2, num_workers=2,
+                    pin_memory=True, persistent_workers=persistent)
+    it = iter(dl)
+    batch = next(it)
+    assert_batch(batch, expected_batches(dl.dataset, 2)[0])
+    lock = it._worker_result_queue._wlock
+    assert lock.acquire(timeout=30)
+    try:
+        del it, batch, dl  # persistent workers end with their DataLoader
+        gc.collect()
+        assert feeder_threads() <= feeders, "a feeder thread waits on the lost lock"
+    finally:
+        lock.release()  # lets a waiting feeder go, so a failure leaves no thread
 
 
 EXIT_SCRIPT = """

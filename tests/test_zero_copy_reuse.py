@@ -100,7 +100,37 @@ def nothing_left_behind():
             return
         time.sleep(0.1)
     pytest.fail(f"left behind: fds {dict(sorted(left[0]))}, arenas {left[1]}; "
-                f"{unjoined_children()}")
+                f"{unjoined_children()}; {thread_stacks()}")
+
+
+def thread_stacks() -> str:
+    """Every other thread of this process, by name, with the innermost lines
+    of its stack (a thread that holds a pipe's ends shows where it waits)."""
+    import threading
+    import traceback
+
+    threads = {t.ident: t for t in threading.enumerate()}
+    rows = []
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue
+        where = " <- ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})"
+                            for f in reversed(traceback.extract_stack(frame)[-4:]))
+        thread = threads.get(ident)
+        rows.append(f"{thread.name if thread else ident}: {where}{feeder_state(thread)}")
+    return "threads: " + ("; ".join(rows) or "none")
+
+
+def feeder_state(thread) -> str:
+    """For a multiprocessing.Queue's feeder thread: the pipe it writes to and
+    whether the queue's write lock (shared with every process that writes to
+    the queue) is free."""
+    if thread is None or thread.name != "QueueFeederThread":
+        return ""
+    send, wlock = thread._args[2], thread._args[3]
+    fd = send.__self__.fileno() if not send.__self__.closed else "closed"
+    free = "none" if wlock is None else wlock._semlock._get_value() > 0
+    return f" [writes to fd {fd}, write lock free: {free}]"
 
 
 def unjoined_children() -> str:

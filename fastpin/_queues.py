@@ -1,0 +1,176 @@
+"""The multiprocessing queues of a DataLoader iterator, as the main process of
+install() or a Loader uses them (the workers keep torch's own):
+
+- IndexQueue: the indices of a worker's next batches, written into the pipe
+  by the thread that puts them, not by a feeder thread woken per batch;
+- ResultQueue: the workers' batches; the main process puts into it only to
+  wake the thread that reads it, and does that without a feeder thread
+  (wake()), which could wait for good on a write lock that a dead worker
+  held.
+
+Linux only, as fastpin: the pipes are asked with fcntl and ioctl, and a
+non-blocking write opens the pipe again through /proc/self/fd.
+"""
+from __future__ import annotations
+
+import collections
+import fcntl
+import os
+import queue
+import struct
+import termios
+from multiprocessing import queues as mp_queues
+from multiprocessing.reduction import ForkingPickler
+from typing import Optional
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_FRAME = struct.Struct("!i")  # multiprocessing.Connection's length prefix
+_PIPE_BUF = 4096  # POSIX's atomic pipe write on Linux: never interleaved with another
+
+
+class _Pipe:
+    """The write end of a pipe that one process alone writes to, and what it
+    has written that the reader may not have read yet. A write the pipe has
+    pages free for never blocks: Linux puts a write into the last page when
+    it fits there and else into new pages, so a write of n bytes takes at
+    most ceil(n / page) pages, which stay taken until it is read."""
+
+    def __init__(self, writer: int, reader: int):
+        self.writer, self.reader = writer, reader
+        try:
+            self.pages = fcntl.fcntl(writer, fcntl.F_GETPIPE_SZ) // _PAGE
+        except OSError:  # not a pipe: every write goes to the feeder
+            self.pages = 0
+        self.written = 0
+        self.unread: collections.deque = collections.deque()  # (end offset, pages) a write
+        self.taken = 0  # pages the unread writes may hold
+
+    def write(self, frame: bytes) -> bool:
+        """Write `frame` whole if the pipe has room for it now; whether it did."""
+        pages = -(-len(frame) // _PAGE)
+        if self.taken + pages > self.pages:
+            self._count_read()  # the kernel asked only when the writes alone fill it
+            if self.taken + pages > self.pages:
+                return False
+        view = memoryview(frame)
+        while view:  # one write; the loop only for a signal between
+            view = view[os.write(self.writer, view):]
+        self.written += len(frame)
+        self.unread.append((self.written, pages))
+        self.taken += pages
+        return True
+
+    def _count_read(self) -> None:
+        """Drop the writes the reader has read whole (FIONREAD: the bytes unread)."""
+        if not self.pages:
+            return
+        unread = struct.unpack("i", fcntl.ioctl(self.reader, termios.FIONREAD, b"\0" * 4))[0]
+        read = self.written - unread
+        while self.unread and self.unread[0][0] <= read:
+            self.taken -= self.unread.popleft()[1]
+
+
+class IndexQueue(mp_queues.Queue):
+    """A DataLoader iterator's index queue (the main process sends each worker
+    the indices of its next batches) that writes each message into the pipe
+    from the thread that puts it, where the pipe has room for all of it now:
+    torch's multiprocessing.Queue hands every message to a feeder thread, and
+    waking that thread cost the main process 35-60 us a batch on the CPU
+    machine, as much as the rest of torch's own protocol. A message the pipe
+    has no room for (a worker that lags, indices of a very large batch) goes
+    to the feeder as before, and so does every later one: messages keep their
+    order, and nothing blocks that would not have blocked before."""
+
+    _pipe: Optional[_Pipe] = None
+
+    def put(self, obj, block=True, timeout=None):
+        if self._thread is None and not self._closed:
+            data = ForkingPickler.dumps(obj)
+            if not self._sem.acquire(block, timeout):
+                raise queue.Full
+            with self._wlock:
+                if self._pipe is None:
+                    self._pipe = _Pipe(self._writer.fileno(), self._reader.fileno())
+                if self._pipe.write(_FRAME.pack(len(data)) + bytes(data)):
+                    return
+            self._sem.release()
+        super().put(obj, block, timeout)
+
+    def close(self):
+        super().close()
+        if self._thread is None:  # no feeder to close the pipe after its last message
+            self._reader.close()
+            self._writer.close()
+
+
+
+
+class ResultQueue(mp_queues.Queue):
+    """A DataLoader iterator's result queue as the main process holds it. The
+    workers write their batches into it; the main process puts into it only
+    to wake the thread that reads it (torch's pin thread at the iterator's
+    end). torch's put hands that message to a feeder thread, which takes the
+    queue's write lock, shared with the workers: a worker that died while it
+    wrote (killed, or leaving with its own feeder mid-write) never frees it,
+    and the feeder then waits for good, holding both ends of the pipe. Here
+    the message goes through wake(): written at once, or not needed."""
+
+    def put(self, obj, block=True, timeout=None):
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        wake(self, obj)
+
+    def close(self):
+        super().close()
+        if self._thread is None:  # no feeder to close the pipe after its last message
+            self._reader.close()
+            self._writer.close()
+
+
+def wake(q, message, writers_gone: bool = False) -> bool:
+    """Write `message` into multiprocessing queue `q`'s pipe from this thread,
+    to wake the thread that reads it; never blocks, starts no thread. Whether
+    it wrote.
+
+    It does not write where the reader needs no waking: the write lock held
+    (a worker writes, and what it writes wakes the reader) or the pipe full
+    (the reader has plenty to read). With `writers_gone` (every other writer
+    has ended), a held lock is one a writer died with, and the message goes
+    in without it."""
+    data = bytes(ForkingPickler.dumps(message))
+    frame = _FRAME.pack(len(data)) + data
+    if len(frame) > _PIPE_BUF:
+        raise ValueError(f"a wake-up message of {len(frame)} bytes: at most {_PIPE_BUF}")
+    if not q._sem.acquire(False):  # the queue's count of messages: full
+        return False
+    lock, wrote = q._wlock, False
+    locked = lock is not None and lock.acquire(False)
+    try:
+        if locked or lock is None or writers_gone:
+            wrote = _write_now(q._writer.fileno(), q._reader.fileno(), frame)
+    finally:
+        if locked:
+            lock.release()
+        if not wrote:
+            q._sem.release()
+    return wrote
+
+
+def _write_now(writer: int, reader: int, frame: bytes) -> bool:
+    """Write `frame` (at most PIPE_BUF bytes: all of it or nothing) into the
+    pipe of `writer` if it has room now. The pipe's own descriptor is shared
+    with the workers (made before they were), so O_NONBLOCK goes on a
+    descriptor of its own; where /proc is not there, only into an empty pipe,
+    which has room for it for sure."""
+    try:
+        fd = os.open(f"/proc/self/fd/{writer}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        if struct.unpack("i", fcntl.ioctl(reader, termios.FIONREAD, b"\0" * 4))[0]:
+            return False
+        fd = os.dup(writer)
+    try:
+        return os.write(fd, frame) == len(frame)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
