@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import math
 import os
 import queue
+import select
 import struct
 import termios
+import time
 from multiprocessing import queues as mp_queues
 from multiprocessing.reduction import ForkingPickler
 from typing import Optional
@@ -115,10 +118,35 @@ class ResultQueue(mp_queues.Queue):
     and the feeder then waits for good, holding both ends of the pipe. Here
     the message goes through wake(): written at once, or not needed."""
 
+    _poller: Optional[select.poll] = None
+
     def put(self, obj, block=True, timeout=None):
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         wake(self, obj)
+
+    def get(self, block=True, timeout=None):
+        """torch's get, get(timeout=...), waits on a poll object made once:
+        multiprocessing's builds a selector at each call (5.2-5.4 us a get
+        against 2.6-2.7 on a 2-core CPU machine, benchmarks/queue_get.py)."""
+        if self._closed or not block or timeout is None:
+            return super().get(block, timeout)
+        deadline = time.monotonic() + timeout
+        if not self._rlock.acquire(True, timeout):
+            raise queue.Empty
+        try:
+            if self._poller is None:
+                self._poller = select.poll()
+                self._poller.register(self._reader.fileno(), select.POLLIN)
+            # Readable, hung up or failed: the read returns or says why, as
+            # multiprocessing's own wait() has it.
+            if not self._poller.poll(max(0, math.ceil((deadline - time.monotonic()) * 1000))):
+                raise queue.Empty
+            data = self._recv_bytes()
+            self._sem.release()
+        finally:
+            self._rlock.release()
+        return ForkingPickler.loads(data)
 
     def close(self):
         super().close()

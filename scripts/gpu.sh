@@ -64,7 +64,7 @@
 #                                must fail there
 #   bash scripts/gpu.sh percall      build, then (about 8 minutes): what one pin_memory call
 #                                and one delivered batch cost: the GPU tests of pin_default
-#                                and the index queues, pin_parts.py, the pin table at the
+#                                and the index and result queues, pin_parts.py, the pin table at the
 #                                default settings (benchmarks/pin_cutover.py), main-process
 #                                CPU per batch by thread on tokens and recsys
 #                                (install_threads.py), and the small-batch cases at 15
@@ -237,7 +237,9 @@ if [ "$what" = parts ]; then
 fi
 if [ "$what" = percall ]; then
     step timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
-        tests/test_pin_default.py tests/test_index_queue.py tests/test_gpu.py
+        tests/test_pin_default.py tests/test_index_queue.py tests/test_gpu.py \
+        tests/test_install.py::test_end_with_the_result_queue_lock_lost \
+        tests/test_install.py::test_break_leaks_nothing tests/test_install.py::test_killed_worker_leaks_nothing
     step timeout 80 env PYTHONPATH="$PWD" python3 benchmarks/pin_parts.py --calls 1500 \
         --sizes 262144 1048576 4194304 8388608
     step timeout 170 env PYTHONPATH="$PWD" python3 benchmarks/pin_cutover.py --recommend \

@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.reduction
 import os
+import queue
 import struct
 import threading
 
@@ -194,6 +195,32 @@ def test_no_wake_up_into_a_full_pipe():
     assert feeders() <= before
     assert [q.get(timeout=10) for _ in messages] == messages
     assert not q._reader.poll(0.2)
+    q.close()
+
+
+def test_get_with_a_timeout_as_multiprocessing_has_it():
+    """torch's get(timeout=...) on the result queue: every message in order,
+    from a writer in another process, then Empty once none comes."""
+    q = result_queue()
+    messages = [(k, bytes([k % 251]) * (k * 37 % 5000)) for k in range(300)]
+
+    def write_all():
+        for m in messages:
+            with q._wlock:
+                q._sem.acquire()
+                q._writer.send_bytes(multiprocessing.reduction.ForkingPickler.dumps(m))
+
+    writer = multiprocessing.get_context("fork").Process(target=write_all)
+    writer.start()
+    try:
+        assert [q.get(timeout=30) for _ in messages] == messages
+    finally:
+        writer.join(30)
+    assert writer.exitcode == 0
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+    with pytest.raises(queue.Empty):
+        q.get(False)  # multiprocessing's own path
     q.close()
 
 
