@@ -311,7 +311,7 @@ def _on_iterator(it, loader) -> None:
         return  # the Loader does the rest
     if not (installed() and getattr(loader, "pin_memory", False)):
         return
-    _send_indices_directly(it)
+    _send_indices_directly(it, installed=True)
     from . import _zerocopy
 
     if isinstance(it._collate_fn, _zerocopy._WorkerCollate):
@@ -385,14 +385,19 @@ def _pool_for(loader, index: Optional[int] = None) -> tuple:
     return pool, stats
 
 
-def _send_indices_directly(it) -> None:
+def _send_indices_directly(it, installed: bool = False) -> None:
     """From its first batch's indices on, DataLoader iterator `it` (being made:
-    its index queues come next, made by torch) sends them through IndexQueues."""
+    its queues and workers come next, made by torch) sends them through
+    IndexQueues, and its result queue is a ResultQueue here. Under install(),
+    the pipes of its persistent workers are closed once it is gone (a Loader
+    sees to its own: _producer)."""
     ref = weakref.ref(it)
 
     def first(*args, **kwargs):
         it = ref()
         del it._try_put_index  # the class's from now on
+        if installed:
+            _queues.pipes_closed_at_end(it)
         for q in getattr(it, "_index_queues", ()):
             if type(q) is mp_queues.Queue and q._thread is None and q._wlock is not None:
                 q.__class__ = _queues.IndexQueue

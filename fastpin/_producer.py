@@ -19,10 +19,9 @@ import logging
 import queue
 import threading
 import time
-import weakref
 from typing import TYPE_CHECKING, Optional
 
-from . import _install, _numa
+from . import _install, _numa, _queues
 from ._runtime import memory_room, process
 
 if TYPE_CHECKING:
@@ -110,7 +109,7 @@ class _Producer:
         if self.worker_backed:
             _workers_first_to_go(self.source)
             if source is not owner.loader:  # the Loader's own view: its workers are its own
-                _pipes_closed_at_end(self.source)
+                _queues.pipes_closed_at_end(self.source)
         # Another iterator over the same dataset, run in this process by a
         # previous epoch's thread that is still inside it (0 workers, a plain
         # iterable): this thread waits for it to leave before reading the source,
@@ -295,28 +294,6 @@ def _workers_first_to_go(source) -> None:
                 f.write(str(min(now + _WORKER_OOM_ADJ, 1000)))
         except (OSError, ValueError, AttributeError):
             pass  # gone already, or /proc refused: the kernel chooses as before
-
-
-def _pipes_closed_at_end(it) -> None:
-    """torch 2.11 and before register each persistent worker of an iterator
-    with pin_memory (on a GPU) to be joined at exit, `atexit.register(
-    _clean_up_worker, w)`: that holds the Process, and the two pipe ends its
-    Popen keeps, until the interpreter exits. A Loader's view has workers of its
-    own, so a new Loader every epoch would leave two descriptors a worker every
-    epoch. Once the iterator is gone (its __del__ has joined them), the pipes
-    of the workers that ended are closed: the exit hook's join then reads the
-    exit code kept, as it would have."""
-    if not getattr(it, "_persistent_workers", False) or "_fastpin_pipes" in vars(it):
-        return
-    it.__dict__["_fastpin_pipes"] = True  # one iterator for every epoch: once
-    weakref.finalize(it, _close_pipes, list(getattr(it, "_workers", ()))).atexit = False
-
-
-def _close_pipes(workers) -> None:
-    for worker in workers:
-        popen = getattr(worker, "_popen", None)
-        if popen is not None and popen.returncode is not None:
-            popen.close()  # its finalizer closes the pipes, once
 
 
 def _shutdown_workers(source) -> None:

@@ -1,12 +1,13 @@
-"""The multiprocessing queues of a DataLoader iterator, as the main process of
-install() or a Loader uses them (the workers keep torch's own):
+"""The multiprocessing plumbing of a DataLoader iterator, as the main process of
+install() or a Loader uses it (the workers keep torch's own):
 
 - IndexQueue: the indices of a worker's next batches, written into the pipe
   by the thread that puts them, not by a feeder thread woken per batch;
 - ResultQueue: the workers' batches; the main process puts into it only to
   wake the thread that reads it, and does that without a feeder thread
   (wake()), which could wait for good on a write lock that a dead worker
-  held.
+  held;
+- pipes_closed_at_end: the pipes of the workers torch holds until exit.
 
 Linux only, as fastpin: the pipes are asked with fcntl and ioctl, and a
 non-blocking write opens the pipe again through /proc/self/fd.
@@ -22,6 +23,7 @@ import select
 import struct
 import termios
 import time
+import weakref
 from multiprocessing import queues as mp_queues
 from multiprocessing.reduction import ForkingPickler
 from typing import Optional
@@ -202,3 +204,28 @@ def _write_now(writer: int, reader: int, frame: bytes) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+# ---- the workers' own pipes -------------------------------------------------
+
+def pipes_closed_at_end(it) -> None:
+    """torch 2.11 and before register each persistent worker of an iterator
+    with pin_memory (on a GPU) to be joined at exit, `atexit.register(
+    _clean_up_worker, w)`: that holds the Process, and the two pipe ends its
+    Popen keeps, until the interpreter exits. A Loader's view has workers of its
+    own, so a new Loader every epoch would leave two descriptors a worker every
+    epoch, and so would a DataLoader made anew (for each validation, say) under
+    install(). Once the iterator is gone (its __del__ has joined them), the
+    pipes of the workers that ended are closed: the exit hook's join then reads
+    the exit code kept, as it would have."""
+    if not getattr(it, "_persistent_workers", False) or "_fastpin_pipes" in vars(it):
+        return
+    it.__dict__["_fastpin_pipes"] = True  # one iterator for every epoch: once
+    weakref.finalize(it, _close_pipes, list(getattr(it, "_workers", ()))).atexit = False
+
+
+def _close_pipes(workers) -> None:
+    for worker in workers:
+        popen = getattr(worker, "_popen", None)
+        if popen is not None and popen.returncode is not None:
+            popen.close()  # its finalizer closes the pipes, once

@@ -315,7 +315,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from fastpin import _zerocopy
 from fastpin._runtime import process
 from test_zero_copy import blocks_settle, holders
-from test_zero_copy_reuse import nothing_left_behind  # noqa: F401 - a fixture
+from test_zero_copy_reuse import nothing_left_behind, torch_2_11_exit_hook  # noqa: F401 - fixtures
 
 NO_ACCELERATOR = "ignore:'pin_memory' argument is set as true but no accelerator:UserWarning"
 pytestmark = [pytest.mark.filterwarnings(FORK_WARNING), pytest.mark.filterwarnings(NO_ACCELERATOR)]
@@ -693,6 +693,21 @@ def test_break_leaks_nothing(persistent, pin_thread, zero_copy, nothing_left_beh
     del dl
     assert_released(arenas, shm)
     del arenas
+
+
+def test_persistent_workers_held_at_exit_leave_no_pipes(pin_thread, zero_copy,
+                                                       torch_2_11_exit_hook, nothing_left_behind):
+    """torch 2.11 and before hold each persistent worker of an iterator with
+    pin_memory (on a GPU) until the interpreter exits, and with it the two pipe
+    ends its Popen keeps: a DataLoader made per epoch, or one for validation
+    made anew each time, would leave two descriptors a worker each time."""
+    for seed in (18, 19):
+        ds = PatternDataset(n=12, seed=seed)
+        dl = DataLoader(ds, batch_size=2, num_workers=2, pin_memory=True, persistent_workers=True)
+        for _ in range(2):
+            check_zero_copy(list(dl), expected_batches(ds, 2), dl)
+        del dl
+    assert len(torch_2_11_exit_hook) == 4
 
 
 def feeder_threads() -> set:
