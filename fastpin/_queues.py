@@ -108,8 +108,6 @@ class IndexQueue(mp_queues.Queue):
             self._writer.close()
 
 
-
-
 class ResultQueue(mp_queues.Queue):
     """A DataLoader iterator's result queue as the main process holds it. The
     workers write their batches into it; the main process puts into it only
@@ -118,7 +116,9 @@ class ResultQueue(mp_queues.Queue):
     queue's write lock, shared with the workers: a worker that died while it
     wrote (killed, or leaving with its own feeder mid-write) never frees it,
     and the feeder then waits for good, holding both ends of the pipe. Here
-    the message goes through wake(): written at once, or not needed."""
+    the message goes through wake(): written at once, or not needed. (With
+    the lock lost, torch's pin thread wakes at its own poll's timeout, 5 s,
+    as it does after torch's put.)"""
 
     _poller: Optional[select.poll] = None
 
@@ -157,16 +157,12 @@ class ResultQueue(mp_queues.Queue):
             self._writer.close()
 
 
-def wake(q, message, writers_gone: bool = False) -> bool:
+def wake(q, message) -> bool:
     """Write `message` into multiprocessing queue `q`'s pipe from this thread,
     to wake the thread that reads it; never blocks, starts no thread. Whether
-    it wrote.
-
-    It does not write where the reader needs no waking: the write lock held
-    (a worker writes, and what it writes wakes the reader) or the pipe full
-    (the reader has plenty to read). With `writers_gone` (every other writer
-    has ended), a held lock is one a writer died with, and the message goes
-    in without it."""
+    it wrote. It does not write where the reader needs no waking: the write
+    lock held (a worker writes, and what it writes wakes the reader) or the
+    pipe full (the reader has plenty to read)."""
     data = bytes(ForkingPickler.dumps(message))
     frame = _FRAME.pack(len(data)) + data
     if len(frame) > _PIPE_BUF:
@@ -176,7 +172,7 @@ def wake(q, message, writers_gone: bool = False) -> bool:
     lock, wrote = q._wlock, False
     locked = lock is not None and lock.acquire(False)
     try:
-        if locked or lock is None or writers_gone:
+        if locked or lock is None:
             wrote = _write_now(q._writer.fileno(), q._reader.fileno(), frame)
     finally:
         if locked:

@@ -158,11 +158,10 @@ def test_no_wake_up_while_a_writer_holds_the_lock():
         q.put((None, None))  # returns at once, starts nothing
         assert feeders() <= before
         assert not q._reader.poll(0.2)
-        # Every writer gone: the lock was a dead one's, and the message goes in.
-        assert _queues.wake(q, ("last", 1), writers_gone=True)
-        assert q.get(timeout=10) == ("last", 1)
     finally:
         q._wlock.release()
+    assert _queues.wake(q, ("next", 1))  # the lock free again
+    assert q.get(timeout=10) == ("next", 1)
     q.close()
 
 
@@ -194,6 +193,23 @@ def test_no_wake_up_into_a_full_pipe():
     assert done.wait(10), "put() blocked on a full pipe"
     assert feeders() <= before
     assert [q.get(timeout=10) for _ in messages] == messages
+    assert not q._reader.poll(0.2)
+    q.close()
+
+
+def test_without_proc_a_wake_up_goes_only_into_an_empty_pipe(monkeypatch):
+    """Where /proc/self/fd cannot be opened, the pipe's room is not known but
+    when it is empty."""
+    def no_proc(path, *args, **kwargs):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(_queues.os, "open", no_proc)
+    q = result_queue()
+    assert _queues.wake(q, ("first", 1))
+    assert not _queues.wake(q, ("second", 2))  # one message unread
+    assert q.get(timeout=10) == ("first", 1)
+    assert _queues.wake(q, ("third", 3))
+    assert q.get(timeout=10) == ("third", 3)
     assert not q._reader.poll(0.2)
     q.close()
 
