@@ -127,9 +127,12 @@ def feeder_state(thread) -> str:
     the queue) is free."""
     if thread is None or thread.name != "QueueFeederThread":
         return ""
-    send, wlock = thread._args[2], thread._args[3]
-    fd = send.__self__.fileno() if not send.__self__.closed else "closed"
-    free = "none" if wlock is None else wlock._semlock._get_value() > 0
+    try:  # Queue._feed's arguments: (buffer, notempty, send_bytes, wlock, ...)
+        send, wlock = thread._args[2], thread._args[3]
+        fd = send.__self__.fileno() if not send.__self__.closed else "closed"
+        free = "none" if wlock is None else wlock._semlock._get_value() > 0
+    except (AttributeError, IndexError, OSError) as exc:  # another Python's Queue
+        return f" [{exc!r}]"
     return f" [writes to fd {fd}, write lock free: {free}]"
 
 
