@@ -28,8 +28,9 @@ Two hooks, both undone by uninstall():
 The second hook, once made (by install() or a Loader's first epoch), stays:
 it does nothing for the iterators of a stock DataLoader iterated outside
 install() and a Loader, and gives those of install() and of a Loader's own
-iter() IndexQueues (below): their workers' indices are written into the pipe
-by the thread that asks for them, not by a feeder thread woken per batch.
+iter() the queues of _queues (_own_queues): their workers' indices are
+written into the pipe by the thread that asks for them, not by a feeder
+thread woken per batch, and their result queue wakes its reader without one.
 
 The first hook also serves fastpin.Loader: a copying Loader over a DataLoader
 with workers iterates a view of it with pin_memory=True, and while such a
@@ -307,11 +308,11 @@ def _on_iterator(it, loader) -> None:
     if getattr(it, "_num_workers", 0) <= 0:
         return
     if getattr(_making, "loader", 0):
-        _send_indices_directly(it)
+        _own_queues(it)
         return  # the Loader does the rest
     if not (installed() and getattr(loader, "pin_memory", False)):
         return
-    _send_indices_directly(it, installed=True)
+    _own_queues(it, close_pipes=True)
     from . import _zerocopy
 
     if isinstance(it._collate_fn, _zerocopy._WorkerCollate):
@@ -385,18 +386,18 @@ def _pool_for(loader, index: Optional[int] = None) -> tuple:
     return pool, stats
 
 
-def _send_indices_directly(it, installed: bool = False) -> None:
+def _own_queues(it, close_pipes: bool = False) -> None:
     """From its first batch's indices on, DataLoader iterator `it` (being made:
     its queues and workers come next, made by torch) sends them through
-    IndexQueues, and its result queue is a ResultQueue here. Under install(),
-    the pipes of its persistent workers are closed once it is gone (a Loader
-    sees to its own: _producer)."""
+    IndexQueues, and its result queue is a ResultQueue here. With
+    `close_pipes` (install(); a Loader sees to its own: _producer), the pipes
+    of its persistent workers are closed once it is gone."""
     ref = weakref.ref(it)
 
     def first(*args, **kwargs):
         it = ref()
         del it._try_put_index  # the class's from now on
-        if installed:
+        if close_pipes:
             _queues.pipes_closed_at_end(it)
         for q in getattr(it, "_index_queues", ()):
             if type(q) is mp_queues.Queue and q._thread is None and q._wlock is not None:

@@ -33,6 +33,11 @@ _FRAME = struct.Struct("!i")  # multiprocessing.Connection's length prefix
 _PIPE_BUF = 4096  # POSIX's atomic pipe write on Linux: never interleaved with another
 
 
+def _unread(reader: int) -> int:
+    """Bytes written into the pipe of `reader` and not read yet (FIONREAD)."""
+    return struct.unpack("i", fcntl.ioctl(reader, termios.FIONREAD, b"\0" * 4))[0]
+
+
 class _Pipe:
     """The write end of a pipe that one process alone writes to, and what it
     has written that the reader may not have read yet. A write the pipe has
@@ -69,13 +74,23 @@ class _Pipe:
         """Drop the writes the reader has read whole (FIONREAD: the bytes unread)."""
         if not self.pages:
             return
-        unread = struct.unpack("i", fcntl.ioctl(self.reader, termios.FIONREAD, b"\0" * 4))[0]
-        read = self.written - unread
+        read = self.written - _unread(self.reader)
         while self.unread and self.unread[0][0] <= read:
             self.taken -= self.unread.popleft()[1]
 
 
-class IndexQueue(mp_queues.Queue):
+class _OwnWrites(mp_queues.Queue):
+    """A multiprocessing.Queue the main process writes into itself: with no
+    feeder thread to close the pipe after the last message, close() does."""
+
+    def close(self):
+        super().close()
+        if self._thread is None:
+            self._reader.close()
+            self._writer.close()
+
+
+class IndexQueue(_OwnWrites):
     """A DataLoader iterator's index queue (the main process sends each worker
     the indices of its next batches) that writes each message into the pipe
     from the thread that puts it, where the pipe has room for all of it now:
@@ -101,14 +116,8 @@ class IndexQueue(mp_queues.Queue):
             self._sem.release()
         super().put(obj, block, timeout)
 
-    def close(self):
-        super().close()
-        if self._thread is None:  # no feeder to close the pipe after its last message
-            self._reader.close()
-            self._writer.close()
 
-
-class ResultQueue(mp_queues.Queue):
+class ResultQueue(_OwnWrites):
     """A DataLoader iterator's result queue as the main process holds it. The
     workers write their batches into it; the main process puts into it only
     to wake the thread that reads it (torch's pin thread at the iterator's
@@ -150,12 +159,6 @@ class ResultQueue(mp_queues.Queue):
             self._rlock.release()
         return ForkingPickler.loads(data)
 
-    def close(self):
-        super().close()
-        if self._thread is None:  # no feeder to close the pipe after its last message
-            self._reader.close()
-            self._writer.close()
-
 
 def wake(q, message) -> bool:
     """Write `message` into multiprocessing queue `q`'s pipe from this thread,
@@ -191,7 +194,7 @@ def _write_now(writer: int, reader: int, frame: bytes) -> bool:
     try:
         fd = os.open(f"/proc/self/fd/{writer}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        if struct.unpack("i", fcntl.ioctl(reader, termios.FIONREAD, b"\0" * 4))[0]:
+        if _unread(reader):
             return False
         fd = os.dup(writer)
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import gc
 import os
-import threading
 import warnings
 
 import numpy as np
@@ -315,6 +314,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from fastpin import _zerocopy
 from fastpin._runtime import process
 from test_zero_copy import blocks_settle, holders
+from test_index_queue import feeders
 from test_zero_copy_reuse import nothing_left_behind, torch_2_11_exit_hook  # noqa: F401 - fixtures
 
 NO_ACCELERATOR = "ignore:'pin_memory' argument is set as true but no accelerator:UserWarning"
@@ -710,10 +710,6 @@ def test_persistent_workers_held_at_exit_leave_no_pipes(pin_thread, zero_copy,
     assert len(torch_2_11_exit_hook) == 4
 
 
-def feeder_threads() -> set:
-    return {t for t in threading.enumerate() if t.name == "QueueFeederThread"}
-
-
 @pytest.mark.parametrize("persistent", [False, True])
 def test_end_with_the_result_queue_lock_lost(persistent, pin_thread, zero_copy,
                                              nothing_left_behind):
@@ -723,7 +719,7 @@ def test_end_with_the_result_queue_lock_lost(persistent, pin_thread, zero_copy,
     message put from the main process, through a feeder thread that takes
     that lock: it would wait there for good, holding both ends of the pipe.
     Here the test holds the lock, as the dead worker would."""
-    feeders = feeder_threads()
+    before = feeders()
     dl = DataLoader(PatternDataset(n=40, seed=17), batch_size=2, num_workers=2,
                     pin_memory=True, persistent_workers=persistent)
     it = iter(dl)
@@ -734,7 +730,7 @@ def test_end_with_the_result_queue_lock_lost(persistent, pin_thread, zero_copy,
     try:
         del it, batch, dl  # persistent workers end with their DataLoader
         gc.collect()
-        assert feeder_threads() <= feeders, "a feeder thread waits on the lost lock"
+        assert feeders() <= before, "a feeder thread waits on the lost lock"
     finally:
         lock.release()  # lets a waiting feeder go, so a failure leaves no thread
 
