@@ -63,13 +63,14 @@
 #                                setup.py) the race there too, and its tests, which
 #                                must fail there
 #   bash scripts/gpu.sh percall      build, then (about 8 minutes): what one pin_memory call
-#                                and one delivered batch cost: the GPU tests of pin_default
-#                                and the index and result queues, pin_parts.py, the pin table at the
-#                                default settings (benchmarks/pin_cutover.py), main-process
-#                                CPU per batch by thread on tokens and recsys
-#                                (install_threads.py), and the small-batch cases at 15
-#                                workers through stock, the prefetcher, install(),
-#                                install(device) and the zero-copy Loader
+#                                and one delivered batch cost, in this order: the GPU tests
+#                                of pin_default, the index and result queues and install()'s
+#                                leaks, the pin table at the default settings
+#                                (benchmarks/pin_cutover.py), main-process CPU per batch by
+#                                thread on tokens and recsys (install_threads.py), the
+#                                small-batch cases at 15 workers through stock, the
+#                                prefetcher, install(), install(device) and the zero-copy
+#                                Loader, then pin_parts.py
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
