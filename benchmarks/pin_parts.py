@@ -40,10 +40,21 @@ def parts(x, arena, cuda: bool) -> dict:
         "arena.pin_batch([x], check_pinned)": lambda: arena.pin_batch(leaves, cuda),
         "arena.pin_batch([x], False)": lambda: arena.pin_batch(leaves, False),
         "arena.alloc(n) and its free": lambda: arena.alloc(x.nbytes),
+        "arena.alloc(n), freed with no fence": lambda: unfenced(arena, x.nbytes),
+        "torch.empty(n, pin_memory=True) and its free":
+            (lambda: torch.empty(x.nbytes, dtype=torch.uint8, pin_memory=True)) if cuda else None,
+        "_C.pin_default(x)": lambda: _C.pin_default(x),
         "flatten(x)": lambda: _walk.flatten(x, _pin.is_leaf),
         "cuda_available()": _arena.cuda_available,
         "made_default_arena(None)": lambda: _arena.made_default_arena(None),
     }
+
+
+def unfenced(arena, nbytes: int) -> None:
+    """A block taken and freed with no fence recorded: what the fence and its
+    query add to "arena.alloc(n) and its free"."""
+    block = arena.alloc(nbytes)
+    block.consumer_stream = None
 
 
 def blocks_cycled(x, calls: int) -> int:

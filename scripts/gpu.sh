@@ -65,12 +65,12 @@
 #   bash scripts/gpu.sh percall      build, then (about 8 minutes): what one pin_memory call
 #                                and one delivered batch cost, in this order: the GPU tests
 #                                of pin_default, the index and result queues and install()'s
-#                                leaks, the pin table at the default settings
+#                                leaks, pin_parts.py, driver_calls.c, the pin table at the default settings
 #                                (benchmarks/pin_cutover.py), main-process CPU per batch by
 #                                thread on tokens and recsys (install_threads.py), the
 #                                small-batch cases at 15 workers through stock, the
 #                                prefetcher, install(), install(device) and the zero-copy
-#                                Loader, then pin_parts.py
+#                                Loader
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -243,6 +243,10 @@ if [ "$what" = percall ]; then
         tests/test_pin_default.py tests/test_index_queue.py tests/test_gpu.py \
         tests/test_install.py::test_end_with_the_result_queue_lock_lost \
         tests/test_install.py::test_break_leaks_nothing tests/test_install.py::test_killed_worker_leaks_nothing
+    step timeout 80 env PYTHONPATH="$PWD" python3 benchmarks/pin_parts.py --calls 1500 \
+        --sizes 262144 1048576 4194304
+    step timeout 60 bash -c "gcc -O2 -I${CUDA_HOME:-/usr/local/cuda}/include -o /tmp/driver_calls \
+        benchmarks/driver_calls.c -ldl && /tmp/driver_calls"
     step timeout 170 env PYTHONPATH="$PWD" python3 benchmarks/pin_cutover.py --recommend \
         --settings default --max-seconds 100 --json "$OUT/pin_cutover.json"
     step timeout 70 env PYTHONPATH="$PWD" python3 benchmarks/install_threads.py --workers 15 \
@@ -251,8 +255,6 @@ if [ "$what" = percall ]; then
     step timeout 130 python3 -m fastpin.bench --case tokens --case token_windows --case recsys \
         --workers 15 --path pin_memory --path prefetcher --path install --path install_device \
         --path zero_copy --no-progress --json "$OUT/bench_small.json"
-    step timeout 80 env PYTHONPATH="$PWD" python3 benchmarks/pin_parts.py --calls 1500 \
-        --sizes 262144 1048576 4194304 8388608
 fi
 if [ "$what" = profile ]; then
     step env PYTHONPATH="$PWD" python3 benchmarks/profile_zero_copy.py "$@"
