@@ -5,9 +5,9 @@ epoch's _Producer runs a background thread that takes the source's batches,
 prepares each through the epoch's step (_delivery) and queues it, `depth`
 ahead of the consumer (_loader._Epoch). Leaving an epoch never waits on the
 source: a thread still inside it is left there, a daemon that drops whatever
-it gets (_Producer.shutdown), and a DataLoader iterator's workers are shut
-down from here as its own __del__ would (_shutdown_workers; _end_here for an
-epoch the consumer drove itself). At interpreter exit the producers still
+it gets (_Producer.shutdown). A source with worker processes runs no thread
+(the consumer drives its epoch, _ahead): its workers are shut down here as a
+DataLoader iterator's own __del__ would (_end_here). At interpreter exit the producers still
 running are stopped and parked before Python finalizes (_at_exit). Under a
 cgroup memory limit a DataLoader's workers are made the kernel's first choice
 when memory runs out (_workers_first_to_go).
@@ -44,21 +44,18 @@ def _at_exit() -> None:
     free, that end aborts the process (a C++ destructor). So each thread gets
     the short grace a closing epoch gives it to leave what it is doing and
     park, holding what it has, freeing nothing (_Producer.park): preparing or
-    queueing a batch, and reading a source that runs in this process (a
+    queueing a batch, and reading its source, which runs in this process (a
     DataLoader without workers, a generator: its fetch and collate call torch
-    in this very thread, and end with the batch). Only a thread waiting on
-    worker processes is not waited for: a worker may hang forever, and the
-    thread only waits on a queue there, in no torch call; the DataLoader's own
-    exit path, multiprocessing's atexit, terminates its workers without
-    waiting either."""
+    in this very thread, and end with the batch). A source with worker
+    processes runs no thread (see _loader._Epoch)."""
     process.exiting = True
     producers = list(process.producers)
     for producer in producers:
         producer.halt()  # its queued batches go here, in the main thread
     deadline = time.monotonic() + _GRACE
     for producer in producers:
-        while (producer.thread.is_alive() and not producer.waits_on_workers()
-               and time.monotonic() < deadline and not producer.parked.wait(0.01)):
+        while (producer.thread.is_alive() and time.monotonic() < deadline
+               and not producer.parked.wait(0.01)):
             pass
 
 
@@ -87,10 +84,6 @@ class _Producer:
         # long as the source likes (a slow dataset, a worker that hangs), so a
         # closing epoch does not wait for it (see shutdown).
         self.in_source = False
-        # Set (under `ending`) once the thread has run mode.end(): a shutdown
-        # that ends the workers after that runs it again (see shutdown).
-        self.ended = False
-        self.ending = threading.Lock()
         self.parked = threading.Event()  # set by the thread once it is parked (see park)
         source = owner._source  # zero-copy: the Loader's view of the DataLoader
         if previous is not None and (previous.source is source or previous.source is
@@ -103,10 +96,9 @@ class _Producer:
             previous = None
         with _install.loader_source():
             self.source = iter(source)
-        # Whether the source's batches come from worker processes: a thread
-        # inside it then only waits on their queues (see waits_on_workers).
-        self.worker_backed = _worker_backed(self.source)
-        if self.worker_backed:
+        # A source whose batches come from worker processes: the consumer
+        # drives its epoch (no thread is started for it).
+        if _worker_backed(self.source):
             _workers_first_to_go(self.source)
             if source is not owner.loader:  # the Loader's own view: its workers are its own
                 _queues.pipes_closed_at_end(self.source)
@@ -175,10 +167,8 @@ class _Producer:
             self.source = source = None
             if self.stop.is_set():
                 self.drain()  # what a stopped epoch queued goes, never to nobody
-            with self.ending:
-                self.ended = True
-                if not process.exiting:
-                    mode.end()
+            if not process.exiting:
+                mode.end()
 
     def hold_back(self) -> None:
         """Under a cgroup memory limit that leaves less than two batches of room
@@ -192,11 +182,6 @@ class _Producer:
             if room is None or (stats.batches and room >= 2 * stats.bytes // stats.batches):
                 return
             time.sleep(_POLL / 10)
-
-    def waits_on_workers(self) -> bool:
-        """Inside a source whose batches come from worker processes: the
-        thread only waits on their queues there, for as long as they take."""
-        return self.in_source and self.worker_backed
 
     def park(self) -> None:
         """The interpreter is exiting: block here for good, holding every
@@ -237,13 +222,11 @@ class _Producer:
             self.thread.join(_POLL)
 
     def shutdown(self) -> None:
-        """End the epoch's thread as a dropped DataLoader iterator ends its
-        workers, and never wait on a thread that may never return: a thread busy
-        queueing or preparing a batch gets a short grace; one inside the source
-        (or past the grace) is left there, a daemon that drops whatever it gets
-        from then on, and the DataLoader iterator it reads has its workers shut
-        down here, just as the DataLoader's own __del__ would at this point.
-        Safe from any thread."""
+        """End the epoch's thread, and never wait on a thread that may never
+        return: a thread busy queueing or preparing a batch gets a short grace;
+        one inside the source (or past the grace) is left there, a daemon that
+        drops whatever it gets from then on, and ends the epoch's step
+        (mode.end) itself when it leaves. Safe from any thread."""
         self.halt()
         if process.exiting or threading.current_thread() is self.thread or not self.thread.is_alive():
             return
@@ -251,17 +234,6 @@ class _Producer:
         while self.thread.is_alive() and not self.in_source and time.monotonic() < deadline:
             self.drain()
             self.thread.join(0.01)
-        source = self.source
-        if self.thread.is_alive() and source is not None:
-            # Inside next(source), or past the grace in prepare: the workers go
-            # now either way, as they would with the DataLoader alone.
-            _shutdown_workers(source)
-            with self.ending:
-                if self.ended and not process.exiting:
-                    # The thread left (a batch came) and ended while the
-                    # workers still ran: what they shipped and nobody read is
-                    # theirs, and they are gone only now.
-                    self.mode.end()
         self.drain()
         if not self.thread.is_alive():
             self.mode.forget()
@@ -295,30 +267,6 @@ def _workers_first_to_go(source) -> None:
         except (OSError, ValueError, AttributeError):
             pass  # gone already, or /proc refused: the kernel chooses as before
 
-
-def _shutdown_workers(source) -> None:
-    """Shut down a DataLoader iterator's workers from another thread than the one
-    waiting in its next(), the way its __del__ does (DataLoader's own bounded
-    joins, then terminate), and wake that thread: once the workers are gone, its
-    data-queue loop never returns by itself (without a DataLoader timeout it
-    polls forever), so a sentinel it cannot unpack makes next() raise there,
-    where the stopped thread drops the error."""
-    shutdown = getattr(source, "_shutdown_workers", None)
-    if shutdown is None or getattr(source, "_persistent_workers", False):
-        # Persistent workers outlive the epoch, as with the plain DataLoader;
-        # the thread leaves next() when their batch arrives.
-        return
-    try:
-        shutdown()
-    except Exception as exc:  # noqa: BLE001 - a half shut-down iterator: its __del__ retries
-        log.debug("fastpin.Loader: shutting down the DataLoader's workers: %r", exc)
-    data_queue = getattr(source, "_data_queue", None)
-    try:
-        if hasattr(data_queue, "cancel_join_thread"):
-            data_queue.cancel_join_thread()  # never wait at exit to flush the sentinel
-        data_queue.put(None)
-    except Exception:  # noqa: BLE001 - closed already: nothing waits on it
-        pass
 
 def _end_here(producer: _Producer) -> None:
     """A consumer-side epoch is dropped: its DataLoader iterator's workers are
