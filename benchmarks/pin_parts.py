@@ -2,7 +2,12 @@
 pieces fastpin.pin_memory runs for a batch of one tensor (or a dict of 8),
 beside torch's own calls. Medians of --calls calls, microseconds.
 
-    python benchmarks/pin_parts.py [--calls 5000] [--sizes 65536 1048576]
+    python benchmarks/pin_parts.py [--calls 5000] [--sizes 65536 1048576] [--busy-thread]
+
+--busy-thread times every part beside a thread that runs pure Python all the
+while (a training loop beside DataLoader's pin thread), and gives the mean
+beside the median: a call that lets the GIL go waits, now and then, for the
+other thread's turn to end, which the median does not show.
 
 Where the small-batch overhead of benchmarks/pin_small.py goes: read this
 next to it on a GPU machine, where a CUDA context is up.
@@ -10,6 +15,9 @@ next to it on a GPU machine, where a CUDA context is up.
 from __future__ import annotations
 
 import argparse
+import statistics
+import threading
+import time
 
 import torch
 
@@ -48,6 +56,25 @@ def parts(x, arena, cuda: bool) -> dict:
         "cuda_available()": _arena.cuda_available,
         "made_default_arena(None)": lambda: _arena.made_default_arena(None),
     }
+
+
+def median_mean_us(fn, calls: int) -> tuple:
+    """Median and mean us of fn() over `calls` calls, after a warm-up."""
+    for _ in range(min(200, calls)):
+        fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times) / 1e3, statistics.fmean(times) / 1e3
+
+
+def busy() -> None:
+    """Pure Python for ever: it holds the GIL whenever another thread lets it go."""
+    n = 0
+    while True:
+        n += 1
 
 
 def unfenced(arena, nbytes: int) -> None:
@@ -98,17 +125,25 @@ def main() -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[65536, 262144, 1 << 20])
     p.add_argument("--pool-sizes", type=int, nargs="*", default=[],
                    help="also time the copy pool against the caller alone at these sizes")
+    p.add_argument("--busy-thread", action="store_true",
+                   help="time every part beside a thread that runs pure Python")
     args = p.parse_args()
+    if args.busy_thread:
+        threading.Thread(target=busy, daemon=True, name="busy").start()
     cuda = fastpin.cuda_available()
     print(f"torch {torch.__version__}, fastpin from {fastpin.__file__}, CUDA up: {cuda}, "
-          f"copy threads {_C.get_threads()}, streaming stores {_C.streaming()}")
+          f"copy threads {_C.get_threads()}, streaming stores {_C.streaming()}"
+          + (", beside a busy Python thread" if args.busy_thread else ""))
     fastpin.pin_memory(torch.zeros(8))  # makes the default arena
     arena = _arena.default_arena()
     for size in args.sizes:
         x = torch.arange(size, dtype=torch.uint8)
         print(f"\n{size} bytes, median us of {args.calls} calls")
         for name, fn in parts(x, arena, cuda).items():
-            if fn is not None:
+            if fn is not None and args.busy_thread:
+                median, mean = median_mean_us(fn, args.calls)
+                print(f"  {name:46s} {median:8.2f}  mean {mean:9.2f}")
+            elif fn is not None:
                 print(f"  {name:46s} {median_us(fn, args.calls):8.2f}")
         print(f"  {'_C.copy into one held block':46s} {copy_into_block(x, arena, args.calls):8.2f}")
         print(f"  distinct blocks over 1000 pin_memory calls: {blocks_cycled(x, 1000)}")

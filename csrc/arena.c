@@ -652,7 +652,9 @@ static int fp_arena_too_big(fp_arena_t *a, uint64_t size)
                         (unsigned long long)size, (unsigned long long)a->meta->capacity);
 }
 
-int fp_arena_alloc(fp_arena_t *a, uint64_t size, uint32_t *block, void **ptr)
+/* fp_arena_alloc and fp_arena_try_alloc: `wait` says whether to wait for
+ * the oldest pending block's copies where only they hold the room. */
+static int fp_arena_alloc_as(fp_arena_t *a, uint64_t size, int wait, uint32_t *block, void **ptr)
 {
     fp_arena_meta_t *m = a->meta;
     uint64_t rounded = size > m->capacity ? 0 : fp_arena_round(size);
@@ -680,6 +682,10 @@ int fp_arena_alloc(fp_arena_t *a, uint64_t size, uint32_t *block, void **ptr)
         status = fp_arena_try_take(a, rounded, size, home, first, &b);
         if (status || b != FP_NIL)
             break;
+        if (!wait) {
+            status = FP_EBUSY;
+            break;
+        }
         status = fp_arena_wait_oldest(a);
         if (status)
             return status; /* the lock could not be taken again: not held */
@@ -693,6 +699,16 @@ int fp_arena_alloc(fp_arena_t *a, uint64_t size, uint32_t *block, void **ptr)
     FP_ARENA_ASSERT_VALID(a);
     fp_arena_unlock(a);
     return status;
+}
+
+int fp_arena_alloc(fp_arena_t *a, uint64_t size, uint32_t *block, void **ptr)
+{
+    return fp_arena_alloc_as(a, size, 1, block, ptr);
+}
+
+int fp_arena_try_alloc(fp_arena_t *a, uint64_t size, uint32_t *block, void **ptr)
+{
+    return fp_arena_alloc_as(a, size, 0, block, ptr);
 }
 
 /* Publishes a block on the return stack; the caller owns it (USED). */

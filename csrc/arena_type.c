@@ -165,20 +165,33 @@ int fp_pin_copies(fp_state *st, fp_arena_t *arena, fp_copy_t *copies,
     fp_copier_t *copier = fp_get_copier(st);
     if (!copier)
         return -1;
-    int status;
+    /* Letting the GIL go and taking it back costs more than taking a block
+     * or a small copy (and another thread may keep it meanwhile): the block is
+     * taken with it held unless only waiting makes room. */
+    int status = fp_lease_try_alloc(arena, total, lease);
     st->busy++;
-    Py_BEGIN_ALLOW_THREADS
-    status = fp_lease_alloc(arena, total, lease);
+    if (status == FP_EBUSY) {
+        Py_BEGIN_ALLOW_THREADS
+        status = fp_lease_alloc(arena, total, lease);
+        Py_END_ALLOW_THREADS
+    }
     if (!status) {
         size_t used = 0;
+        uint64_t bytes = 0;
         for (Py_ssize_t i = 0; i < n; i++)
             if (copies[i].src && copies[i].size) {
                 copies[used] = copies[i];
                 copies[used++].dst = (*lease)->ptr + offsets[i];
+                bytes += copies[i].size;
             }
-        status = fp_copier_run(copier, copies, used);
+        if (bytes >= FP_GIL_COPY_MIN) {
+            Py_BEGIN_ALLOW_THREADS
+            status = fp_copier_run(copier, copies, used);
+            Py_END_ALLOW_THREADS
+        } else {
+            status = fp_copier_run(copier, copies, used);
+        }
     }
-    Py_END_ALLOW_THREADS
     st->busy--;
     if (status) {
         if (*lease)

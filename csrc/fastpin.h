@@ -64,6 +64,7 @@ enum {
     FP_ECUDA = 3,   /* a driver call failed; message holds the driver's text */
     FP_EOS = 4,     /* an OS call failed; message holds strerror */
     FP_EINVAL = 5,  /* bad argument */
+    FP_EBUSY = 6,   /* fp_arena_try_alloc: only waiting would make room (no message) */
 };
 
 /* Sets the calling thread's error message and returns `status`. */
@@ -384,6 +385,11 @@ void fp_arena_decref(fp_arena_t *arena);
  * exceeds the cap. Never call with the GIL held. */
 int fp_arena_alloc(fp_arena_t *arena, uint64_t size, uint32_t *block,
                    void **ptr);
+/* As fp_arena_alloc, but never waits for the GPU: where that is the only way
+ * to room, FP_EBUSY (no message set) instead. Takes the arena's lock, held
+ * only across bookkeeping, so it may be called with the GIL held. */
+int fp_arena_try_alloc(fp_arena_t *arena, uint64_t size, uint32_t *block,
+                       void **ptr);
 
 /* Deferred free, callable from any thread, never blocks on the allocator:
  * records the block's event (when CUDA is in use) and pushes the block onto
@@ -466,6 +472,8 @@ typedef struct fp_lease_s {
 
 /* Allocates a block and wraps it; the caller owns one reference. */
 int fp_lease_alloc(fp_arena_t *arena, uint64_t size, fp_lease_t **out);
+/* The same through fp_arena_try_alloc: FP_EBUSY where it would wait. */
+int fp_lease_try_alloc(fp_arena_t *arena, uint64_t size, fp_lease_t **out);
 /* In the creator: a lease over `block`, allocated (fp_arena_alloc, or a
  * lease since detached) by any process, `size` being what it asked for. The
  * block becomes the creator's (owner 0) and is freed, after the GPU is done

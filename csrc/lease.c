@@ -36,18 +36,28 @@ static int fp_lease_wrap(fp_arena_t *a, uint32_t b, char *ptr, uint64_t size,
     return fp_error_set(FP_EOS, "out of host memory");
 }
 
-int fp_lease_alloc(fp_arena_t *a, uint64_t size, fp_lease_t **out)
+static int fp_lease_alloc_as(fp_arena_t *a, uint64_t size, int wait, fp_lease_t **out)
 {
     *out = NULL;
     uint32_t b;
     void *ptr;
-    int status = fp_arena_alloc(a, size, &b, &ptr);
+    int status = wait ? fp_arena_alloc(a, size, &b, &ptr) : fp_arena_try_alloc(a, size, &b, &ptr);
     if (!status)
         status = fp_lease_wrap(a, b, ptr, size, out);
     if (!status)
         /* Nobody else knows the index yet: no lock needed to mark it held. */
         fp_atomic_store_release(&a->meta->blocks[b].leased, 1);
     return status;
+}
+
+int fp_lease_alloc(fp_arena_t *a, uint64_t size, fp_lease_t **out)
+{
+    return fp_lease_alloc_as(a, size, 1, out);
+}
+
+int fp_lease_try_alloc(fp_arena_t *a, uint64_t size, fp_lease_t **out)
+{
+    return fp_lease_alloc_as(a, size, 0, out);
 }
 
 /* Why block `b` cannot be adopted as `size` bytes, as a status; under lock. */

@@ -93,6 +93,43 @@ def test_block_not_reused_while_a_copy_reads_it(tight):
     assert stats["blocks_in_use"] == 0
 
 
+def test_waiting_for_room_lets_other_threads_run():
+    """A block is taken with the GIL held unless only the GPU's copies hold the
+    room: then pin_memory waits for them with it let go, and the program's
+    other Python threads run meanwhile."""
+    import threading
+    import time
+
+    nbytes = 32 * MB
+    arena = _C.Arena(nbytes)
+    first, second = patterned(nbytes, 5), patterned(nbytes, 6)
+    pinned = fastpin.pin_memory(first, arena=arena)
+    torch.cuda._sleep(sleep_cycles(300))  # the copy starts after about 0.3 s
+    on_gpu = pinned.to("cuda", non_blocking=True)
+    del pinned
+    ticks, stop = [], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        time.sleep(0.02)
+        t0 = time.perf_counter()
+        again = fastpin.pin_memory(second, arena=arena)  # waits for the copy's fence
+        t1 = time.perf_counter()
+    finally:
+        stop.set()
+        counter.join()
+    assert arena.stats()["waits"] >= 1
+    assert sum(t0 < t < t1 for t in ticks) >= 10, "pin_memory held the GIL while it waited"
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu.cpu(), first) and torch.equal(again, second)
+
+
 def test_side_stream_consumer():
     """Copies on a stream of the user's own are waited for when named."""
     nbytes = 16 * MB

@@ -790,6 +790,37 @@ static void test_armed_pending(void)
     fp_arena_decref(a);
 }
 
+/* fp_arena_try_alloc answers as fp_arena_alloc wherever no waiting is
+ * involved: a block where there is room, FP_ENOMEM where live blocks fill
+ * the arena, FP_ETOOBIG past the cap; an armed block only the creator can
+ * wait for is no room for another process (FP_ENOMEM, not FP_EBUSY). */
+static void test_try_alloc(void)
+{
+    fp_arena_t *a = make(64 << 10, 0, FP_ARENA_SHARED | FP_ARENA_NO_CUDA);
+    uint32_t x, y;
+    void *p, *q;
+    EXPECT(fp_arena_try_alloc(a, 40 << 10, &x, &p) == FP_OK && p);
+    EXPECT(fp_arena_try_alloc(a, 40 << 10, &y, &q) == FP_ENOMEM);
+    EXPECT(fp_arena_try_alloc(a, 1 << 20, &y, &q) == FP_ETOOBIG);
+    fp_arena_free(a, x, NULL);
+    EXPECT(fp_arena_try_alloc(a, 40 << 10, &y, &q) == FP_OK && q == p);
+    fp_arena_test_free_armed(a, y);
+    pid_t pid = fork();
+    if (pid == 0) {
+        fp_arena_t *w = attach_or_exit(fp_arena_fd(a), 10);
+        uint32_t b;
+        void *r;
+        _exit(fp_arena_try_alloc(w, 40 << 10, &b, &r) == FP_ENOMEM ? 0 : 11);
+    }
+    EXPECT(reap(pid) == 0);
+    fp_arena_collect(a);
+    fp_arena_stats_t s;
+    fp_arena_stats(a, &s);
+    EXPECT(s.blocks_in_use == 0 && s.waits == 0);
+    EXPECT(fp_arena_is_valid(a));
+    fp_arena_decref(a);
+}
+
 /* Capture bookkeeping from many threads at once (TSan checks the lock), and,
  * where a GPU is present, a block freed during a capture: its fence waits for
  * the capture to end, the arena says so rather than wait, and after the end
@@ -1261,6 +1292,7 @@ int main(void)
     test_lock_unrecoverable();
     test_pid_after_fork();
     test_armed_pending();
+    test_try_alloc();
     test_capture_fence();
     test_fence_tickets();
     test_attach_errors();
