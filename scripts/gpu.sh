@@ -65,12 +65,12 @@
 #   bash scripts/gpu.sh percall      build, then (about 8 minutes): what one pin_memory call
 #                                and one delivered batch cost, in this order: the GPU tests
 #                                of pin_default, the index and result queues and install()'s
-#                                leaks, pin_parts.py, driver_calls.c, the pin table at the default settings
-#                                (benchmarks/pin_cutover.py), main-process CPU per batch by
-#                                thread on tokens and recsys (install_threads.py), the
-#                                small-batch cases at 15 workers through stock, the
-#                                prefetcher, install(), install(device) and the zero-copy
-#                                Loader
+#                                leaks, pin_parts.py, driver_calls.c, the pin table at the
+#                                default settings (benchmarks/pin_cutover.py), main-process
+#                                CPU per batch by thread on tokens and recsys
+#                                (install_threads.py), the small-batch cases at 15 workers
+#                                through stock, the prefetcher, install(), install(device)
+#                                and the zero-copy Loader
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
