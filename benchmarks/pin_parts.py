@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import threading
-import time
 
 import torch
 
 import fastpin
 from fastpin import _C, _arena, _pin, _walk
-from pin_small import median_us  # beside this file: python puts its folder first on sys.path
+from pin_small import call_times_ns, median_us  # beside this file: python puts its folder first on sys.path
 
 
 def parts(x, arena, cuda: bool) -> dict:
@@ -60,13 +59,7 @@ def parts(x, arena, cuda: bool) -> dict:
 
 def median_mean_us(fn, calls: int) -> tuple:
     """Median and mean us of fn() over `calls` calls, after a warm-up."""
-    for _ in range(min(200, calls)):
-        fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
+    times = call_times_ns(fn, calls)
     return statistics.median(times) / 1e3, statistics.fmean(times) / 1e3
 
 

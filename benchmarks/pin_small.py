@@ -23,8 +23,8 @@ from fastpin.bench import procfs
 from fastpin.bench.micro import interleaved
 
 
-def median_us(fn, calls: int = 2000) -> float:
-    """Median us of fn() over `calls` calls, after a warm-up."""
+def call_times_ns(fn, calls: int) -> list:
+    """Nanoseconds of each of `calls` calls of fn(), after a warm-up."""
     for _ in range(min(200, calls)):
         fn()
     times = []
@@ -32,7 +32,12 @@ def median_us(fn, calls: int = 2000) -> float:
         t0 = time.perf_counter_ns()
         fn()
         times.append(time.perf_counter_ns() - t0)
-    return statistics.median(times) / 1e3
+    return times
+
+
+def median_us(fn, calls: int = 2000) -> float:
+    """Median us of fn() over `calls` calls, after a warm-up."""
+    return statistics.median(call_times_ns(fn, calls)) / 1e3
 
 
 def thread_cpu_ns() -> collections.Counter:
