@@ -7,6 +7,7 @@ this process: /proc/self/task) of
     torch_pin_1      x.pin_memory(), torch.set_num_threads(1)
     torch_pin_n      x.pin_memory(), all of torch's threads
     torch_reuse_n    one torch.empty(n, pin_memory=True), then .copy_(x), all threads
+                     (no allocation: not a pin, never taken as torch's best)
     memcpy_n         dst.copy_(x) into ordinary memory, all threads (the pin table's)
     memcpy_pool      _C.copy into ordinary memory on fastpin's pool (the pin table's)
     fp:<setting>     fastpin.pin_memory(x) under each candidate setting of
@@ -67,6 +68,14 @@ SETTINGS = {
     "spin100us_stream_off": {"spin_ns": 100_000, "streaming": False},
     "spin100us_stream_all": {"spin_ns": 100_000, "stream_min": 0},
     "torch_copy": {"torch_copy": EVERY},
+    # the pool alone (no torch copy_), its threads spinning 100 us, every batch
+    # shared: in chunks from 512 KiB, and from 64 KiB (with streaming stores off)
+    "pool_spin": {"spin_ns": 100_000, "inline_max": 0, "inline_spin": 0, "torch_copy": None},
+    "pool_spin_fine": {"spin_ns": 100_000, "inline_max": 0, "inline_spin": 0,
+                       "chunk_min": 64 * KiB, "chunk_min_spin": 64 * KiB, "torch_copy": None},
+    "pool_spin_fine_nostream": {"spin_ns": 100_000, "inline_max": 0, "inline_spin": 0,
+                                "chunk_min": 64 * KiB, "chunk_min_spin": 64 * KiB,
+                                "streaming": False, "torch_copy": None},
 }
 QUICK_SETTINGS = ["default", "spin100us", "pool", "stream_off", "torch_copy"]
 
@@ -205,6 +214,15 @@ def check(sources: list, settings: dict, defaults: dict, nbytes: int) -> None:
             _pin.tune_copy(**defaults)
 
 
+def distinct_blocks(sources: list, defaults: dict, calls: int = 200) -> int:
+    """Distinct addresses fastpin.pin_memory gives over `calls` calls at the
+    defaults, each result dropped before the next (the sources in turn): 1
+    where the freed block is taken again at once, its lines still in cache."""
+    _pin.tune_copy(**defaults)
+    nxt = rotation(sources)
+    return len({fastpin.pin_memory(nxt()).data_ptr() for _ in range(calls)})
+
+
 def measure_row(cells: list, nbytes: int, defaults: dict, seconds_per_cell: float,
                 rounds: int, calls: int, settle_s: float) -> None:
     per_turn = seconds_per_cell / rounds
@@ -221,7 +239,9 @@ def measure_row(cells: list, nbytes: int, defaults: dict, seconds_per_cell: floa
 # ---- the report ---------------------------------------------------------------------
 
 def torch_best(cells: dict) -> tuple:
-    names = [n for n in ("torch_pin_1", "torch_pin_n", "torch_reuse_n") if n in cells]
+    """The faster of torch's two pins (torch_reuse_n copies into one held
+    tensor: not a pin, shown beside them only)."""
+    names = [n for n in ("torch_pin_1", "torch_pin_n") if n in cells]
     best = max(names, key=lambda n: cells[n]["gbps"])
     return best, cells[best]["gbps"]
 
@@ -362,12 +382,14 @@ def main() -> None:
         done_cells += len(cells)
         row = {"bytes": n, "kind": kind, "sources": len(sources),
                "source_bytes": len(sources) * n, "rounds": rounds,
+               "default_blocks": distinct_blocks(sources, defaults),
                "cells": {c.name: c.result(n) for c in cells}}
         if kind == "hot":
             hot_rows[n] = row
         rows.append(row)
         recs.append(recommend(row))
-        print(f"  {fmt_size(n)} {kind} ({len(sources)} sources): "
+        print(f"  {fmt_size(n)} {kind} ({len(sources)} sources; the default setting's "
+              f"blocks over 200 calls: {row['default_blocks']}): "
               f"{time.monotonic() - t_start:.0f} s", flush=True)
         del cells
     elapsed = time.monotonic() - t_start

@@ -37,7 +37,10 @@ log = logging.getLogger("fastpin")
 # 12.0), and at 64 KiB half (7.2 against 14.0 hot). On the 2-core CPU machine
 # (2 torch threads) the same: 1.0x hot and 1.25x cold at 256 KiB, 1.24x and
 # 1.46x at 512 KiB, 0.63-0.79x at 64 KiB, at up to twice the pool's CPU per GB
-# (torch's threads wait for the next call spinning).
+# (torch's threads wait for the next call spinning). On the H100 machine
+# (2026-12-07) the pool's threads spinning 100 us and sharing every batch did
+# not change that: 0.3-0.5x of torch's copy_ from 1 to 8 MiB hot, 0.4-0.9x
+# cold; so the pool's spin stays 0 (benchmarks/RESULTS.md).
 _torch_copy: Optional[tuple] = (256 << 10, 16 << 20)
 
 # The copy pool's knobs (_C.set_copy_tuning's keywords, and spin and streaming).
