@@ -111,6 +111,38 @@ def test_worker_fallbacks_are_counted_for_the_install_path_too(path, monkeypatch
     assert row.status == "ok", row.reason
     assert row.fallbacks >= row.batches
 
+def test_rounds_take_turns_and_report_each_paths_median_run():
+    """rounds=3: every path runs three times, the paths in turn, each run
+    delivering every batch; a path's row is its run of the median GB/s, with
+    every run's GB/s beside it, in the table and through JSON."""
+    paths = ["pageable", "fastpin_pin", "loader_host"]
+    step = Recorder()
+    res = bench.compare(factory(0), paths=paths, batches=3, warmup=1, min_seconds=0,
+                        device=None, step=step, progress=False, rounds=3)
+    assert res.rounds == 3 and [r.path for r in res.rows] == paths
+    # Each run: the first batch, the warm-up, the timed ones; the paths in turn.
+    one_round = [d for row in res.rows for d in expected_digests(1 + row.warmup + row.batches)]
+    assert step.seen == one_round * 3
+    for row in res.rows:
+        assert row.ok, row.reason
+        assert len(row.rounds_gbps) == 3 and all(g > 0 for g in row.rounds_gbps)
+        assert row.gbps == sorted(row.rounds_gbps)[1]
+    table = res.table()
+    for row in res.rows:
+        low, high = min(row.rounds_gbps), max(row.rounds_gbps)
+        assert f"({bench.results.num(low)}-{bench.results.num(high)})" in table
+    assert "ran 3 times" in res.markdown()
+    again = bench.Results.from_dict(json.loads(res.to_json()))
+    assert again.rounds == 3 and again["pageable"].rounds_gbps == res["pageable"].rounds_gbps
+
+
+def test_rounds_must_be_a_whole_number_of_at_least_one():
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="rounds"):
+            bench.compare(factory(0), paths=["pageable"], batches=1, warmup=0, device=None,
+                          progress=False, rounds=bad)
+
+
 def test_gpu_paths_say_why_they_did_not_run():
     res = bench.compare(factory(), paths=None, batches=2, warmup=0, device=None, progress=False)
     rows = by_path(res)

@@ -73,6 +73,7 @@ REFUSED = [
     ("--batches", "0"), ("--warmup", "-1"), ("--max-seconds", "-1"),
     ("--max-seconds", "nan"), ("--compute-ms", "-2"), ("--compute-ms", "inf"),
     ("--hang-report", "-3"), ("--workers", "-1"), ("--from-json", "no-such-run.json"),
+    ("--rounds", "0"), ("--rounds", "1.5"),
 ]
 
 
@@ -113,8 +114,10 @@ def test_from_json_that_is_not_json_is_a_usage_error(capsys, tmp_path):
 def test_the_bounds_themselves_are_taken():
     args = bench._parser().parse_args(
         ["--sizes", "0.0625", "--seconds", "0", "--batches", "1", "--warmup", "0",
-         "--max-seconds", "0", "--compute-ms", "0", "--hang-report", "0", "--workers", "0", "2"])
-    assert (args.sizes, args.seconds, args.batches, args.warmup) == ([0.0625], 0.0, 1, 0)
+         "--max-seconds", "0", "--compute-ms", "0", "--hang-report", "0", "--workers", "0", "2",
+         "--rounds", "1"])
+    assert (args.sizes, args.seconds, args.batches, args.warmup, args.rounds) == \
+        ([0.0625], 0.0, 1, 0, 1)
     assert (args.max_seconds, args.compute_ms, args.hang_report, args.workers) == \
         (0.0, 0.0, 0.0, [0, 2])
 

@@ -102,6 +102,10 @@ def _parser() -> argparse.ArgumentParser:
                              "seconds even short of --batches (never short of "
                              f"{MIN_TIMED} batches and {MIN_SECONDS:g} s; default: 0, no "
                              "budget)")
+    parser.add_argument("--rounds", type=_number(int, 1), default=1,
+                        help="workload cases: run each path this many times, the paths "
+                             "taking turns, and report each path's run of the median GB/s "
+                             "with the lowest and highest (default: 1)")
     parser.add_argument("--compute-ms", type=_number(float, 0), default=0.0,
                         help="simulated compute per step in the workload cases, ms (default: 0)")
     parser.add_argument("--device", default="auto", type=_device_arg,
@@ -213,7 +217,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         sizes=args.sizes or (QUICK_SIZES if args.quick else [0.0625, 0.25, 1, 2, 4, 8, 16, 256]),
         seconds=args.seconds if args.seconds is not None else 0.3,
         loader_workers=args.workers or sorted({min(8, n), n}),
-        train_workers=args.workers or [min(15, n)])
+        train_workers=args.workers or [min(15, n)], rounds=args.rounds)
 
 
 def _new_suite(command: str, plan: Plan) -> dict:
@@ -224,7 +228,7 @@ def _new_suite(command: str, plan: Plan) -> dict:
                      "batches": plan.batches, "warmup": plan.warmup,
                      "min_seconds": MIN_SECONDS, "compute_ms": plan.compute_ms,
                      "device": str(plan.target or "host"), "max_seconds": plan.max_seconds,
-                     "quick": plan.quick},
+                     "rounds": plan.rounds, "quick": plan.quick},
         "order": plan.names, "cases": [], "not_run_cases": {}, "failed_cases": {},
     }
 

@@ -39,6 +39,7 @@ class Plan:
     loader_workers: list       # loader_images
     train_workers: list        # train_model
     train_paths: list = dataclasses.field(default_factory=list)  # train_model's paths
+    rounds: int = 1            # workload cases: each path run this many times, in turn
 
 
 def _no_gpu(plan: Plan) -> Optional[str]:
@@ -105,13 +106,15 @@ class WorkloadCase:
 
     def steps(self, plan: Plan) -> int:
         runnable = [p for p in plan.paths if why_not(p, plan.target, plan.host_reason) is None]
-        return len(plan.workers) * len(runnable) * (1 + plan.warmup + plan.batches)
+        return (plan.rounds * len(plan.workers) * len(runnable)
+                * (1 + plan.warmup + plan.batches))
 
     def run(self, plan: Plan, suite: dict, reporter: Progress) -> None:
         for nw in plan.workers:
             res = run_case(self.w, workers=nw, batches=plan.batches,
                            warmup=plan.warmup, device=plan.device, compute_ms=plan.compute_ms,
-                           paths=plan.paths, max_seconds=plan.max_seconds, progress=reporter)
+                           paths=plan.paths, max_seconds=plan.max_seconds, progress=reporter,
+                           rounds=plan.rounds)
             suite["cases"].append(res.to_dict())
 
     def section(self, suite: dict) -> str:

@@ -48,6 +48,8 @@ class Row:
     first_batch_s: Optional[float] = None  # loader made -> first batch ready
     fallbacks: Optional[int] = None        # batches pinned the ordinary way (fastpin)
     unavailable: bool = False              # skipped: no GPU here, or a host target
+    rounds_gbps: Optional[list] = None     # GB/s of each round, in the order run, where
+                                           # compare() ran several: the row is the median's
 
     @property
     def label(self) -> str:
@@ -118,7 +120,10 @@ def _table_row(r: Row, base: Optional[Row]) -> str:
     if r.pool_peak_mb is not None:
         pinned += f" ({r.pool_peak_mb:.0f})"
     few = "*" if too_few(r) else ""
-    return (f"| {r.label} | {r.batches}{few} | {num(r.gbps)} | {x} | {num(r.step_ms)} | "
+    gbps = num(r.gbps)
+    if r.rounds_gbps and len(r.rounds_gbps) > 1:
+        gbps += f" ({num(min(r.rounds_gbps))}-{num(max(r.rounds_gbps))})"
+    return (f"| {r.label} | {r.batches}{few} | {gbps} | {x} | {num(r.step_ms)} | "
             f"{num(r.cpu_ms, 3)} | {num(r.cpu_s_per_gb, 3)} | {pinned} | "
             f"{num(r.first_batch_s, 3)} |")
 
@@ -147,6 +152,7 @@ class Results:
     compute_ms: float = 0.0
     max_seconds: Optional[float] = None
     min_seconds: float = 0.0
+    rounds: int = 1                        # each path run this many times, in turn
     notes: list = dataclasses.field(default_factory=list)
     machine: dict = dataclasses.field(default_factory=dict)
 
@@ -206,9 +212,13 @@ class Results:
             asked += f" and {self.min_seconds:g} s"
         if self.max_seconds:
             asked += f", up to {self.max_seconds:g} s"
+        rounds = ""
+        if self.rounds > 1:
+            rounds = (f" Each path ran {self.rounds} times, the paths taking turns; its row "
+                      "is the run of the median GB/s, the lowest and highest in brackets.")
         return (f"{size}{workers}each path: the first batch and {warm} more untimed, then "
                 f"{span([r.batches for r in ran])} timed ({asked}); compute "
-                f"{self.compute_ms:g} ms/step; delivered to {self.device}.")
+                f"{self.compute_ms:g} ms/step; delivered to {self.device}.{rounds}")
 
     def notes_lines(self) -> list:
         """What the table's rows need said: fallbacks, short loaders, too few batches."""

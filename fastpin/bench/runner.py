@@ -270,7 +270,8 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
             step: Optional[Callable[[Any], Any]] = None, capacity: Optional[int] = None,
             batch_bytes: Optional[int] = None, depth: int = 2, progress: Any = True,
             name: str = "compare", title: str = "",
-            max_seconds: Optional[float] = None, min_seconds: float = MIN_SECONDS) -> Results:
+            max_seconds: Optional[float] = None, min_seconds: float = MIN_SECONDS,
+            rounds: int = 1) -> Results:
     """Run your own DataLoader through every pinning path and measure each.
 
     loader_factory(pin_memory: bool) returns a fresh loader each call (a
@@ -306,6 +307,10 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
     depth: fastpin.Loader's batches prepared ahead.
     progress: a progress bar on stderr (tqdm where installed); or a
         fastpin.bench.progress.Progress to report to (one bar over many runs).
+    rounds: each path is run this many times, the paths taking turns (so a machine
+        that drifts moves them alike); a path's row is its run of the median GB/s
+        (the lower of the two middle ones for an even count), with every run's
+        GB/s in Row.rounds_gbps. A path that fails in any round fails.
 
     Returns a Results: one Row per path with delivered GB/s, step ms, main-process
     CPU ms per batch, pinned MiB held and peak in use, seconds to the first batch.
@@ -314,30 +319,50 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
     from fastpin._arena import get_capacity
 
     paths = _checked_paths(paths, batches, warmup, min_seconds)
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a whole number >= 1, not {rounds!r}")
     target, host_reason = target_of(device)
     if step is None and compute_ms > 0:
         step = gpu_compute(compute_ms, target) if target is not None else host_compute(compute_ms)
     results = Results(rows=[], name=name, title=title, device=str(target or "host"),
                       batches=batches, warmup=warmup, compute_ms=compute_ms,
-                      max_seconds=max_seconds, min_seconds=min_seconds, machine=machine())
+                      max_seconds=max_seconds, min_seconds=min_seconds, machine=machine(),
+                      rounds=rounds)
     runnable = [p for p in paths if why_not(p, target, host_reason) is None]
-    reporter, own = reporter_for(progress, len(runnable) * (1 + warmup + batches), name)
+    reporter, own = reporter_for(progress, rounds * len(runnable) * (1 + warmup + batches), name)
     capacity = capacity or get_capacity()   # None: each path's arena sizes itself
     seen = {"batch_bytes": int(batch_bytes or 0)}   # the largest batch so far, for zero-copy
+    runs: dict = {path: [] for path in runnable}
     try:
-        for path in paths:
-            why = why_not(path, target, host_reason)
-            if why is not None:
-                results.rows.append(Row(path, status="skipped", reason=why, unavailable=True))
-                continue
-            run = PathRun(loader_factory, target, depth=depth, capacity=capacity,
-                          batch_bytes=seen["batch_bytes"])
-            results.rows.append(_measured(path, run, results, step, reporter))
-            seen["batch_bytes"] = run.batch_bytes
+        for _ in range(rounds):
+            for path in runnable:
+                run = PathRun(loader_factory, target, depth=depth, capacity=capacity,
+                              batch_bytes=seen["batch_bytes"])
+                runs[path].append(_measured(path, run, results, step, reporter))
+                seen["batch_bytes"] = run.batch_bytes
     finally:
         if own:
             reporter.close()
+    for path in paths:
+        why = why_not(path, target, host_reason)
+        if why is not None:
+            results.rows.append(Row(path, status="skipped", reason=why, unavailable=True))
+        else:
+            results.rows.append(_median_run(runs[path]))
     return results
+
+
+def _median_run(rows: list) -> Row:
+    """One path's row from its rounds: the first that did not succeed, else the
+    run of the median GB/s (the lower middle one of an even count), every
+    round's GB/s in rounds_gbps where there were several."""
+    failed = [r for r in rows if not r.ok]
+    if failed or len(rows) == 1:
+        return (failed or rows)[0]
+    ranked = sorted(rows, key=lambda r: r.gbps if r.gbps is not None else float("-inf"))
+    row = ranked[(len(ranked) - 1) // 2]
+    row.rounds_gbps = [r.gbps for r in rows]
+    return row
 
 
 def _checked_paths(paths: Optional[Sequence[str]], batches: int, warmup: int,

@@ -222,10 +222,11 @@ def case_room(w: Workload, workers: int, depth: int, target: Optional[Any]) -> O
 def run_case(w: Workload, *, workers: int, batches: int, warmup: int, device: Any,
              compute_ms: float, paths: Optional[Sequence[str]], depth: int = 2,
              progress: Any = True, max_seconds: Optional[float] = None,
-             min_seconds: float = MIN_SECONDS) -> Results:
+             min_seconds: float = MIN_SECONDS, rounds: int = 1) -> Results:
     """One workload case through every path; the case is skipped (all rows, with
     the reason) when this machine has too little memory for it. progress: as
-    compare() takes it (a bool, or the Progress of a whole suite)."""
+    compare() takes it (a bool, or the Progress of a whole suite); rounds: as
+    compare() takes it."""
     target, host_reason = target_of(device)
     title = f"{w.title}, {workers_label(workers)}"
     why = case_room(w, workers, depth, target)
@@ -233,18 +234,18 @@ def run_case(w: Workload, *, workers: int, batches: int, warmup: int, device: An
         rows = [Row(p, status="skipped", reason=why) for p in (paths or PATHS)]
         if isinstance(progress, Progress):
             runnable = [p for p in (paths or PATHS) if why_not(p, target, host_reason) is None]
-            progress.skip(len(runnable) * (1 + warmup + batches))
+            progress.skip(rounds * len(runnable) * (1 + warmup + batches))
             progress.note(f"{w.name}: skipped: {why}")
         return Results(rows=rows, name=w.name, title=title, device=str(target or "host"),
                        workers=workers, batches=batches, warmup=warmup, compute_ms=compute_ms,
-                       notes=[f"case skipped: {why}"])
+                       rounds=rounds, notes=[f"case skipped: {why}"])
     dataset = w.make()
     try:
         res = compare(w.factory(dataset, workers), paths=paths, batches=batches,
                       warmup=warmup, device=device, compute_ms=compute_ms,
                       capacity=copy_arena_bytes(w, depth), batch_bytes=w.batch_bytes,
                       depth=depth, progress=progress, name=w.name, title=title,
-                      max_seconds=max_seconds, min_seconds=min_seconds)
+                      max_seconds=max_seconds, min_seconds=min_seconds, rounds=rounds)
     finally:
         del dataset
         gc.collect()
