@@ -98,8 +98,9 @@ def pool_against_caller(arena, sizes: list, calls: int) -> None:
     print(f"\n_C.copy into one held block, us: pool of {threads} against the caller alone")
     for size in sizes:
         x = torch.arange(size, dtype=torch.uint8)
-        block = arena.alloc(size)
-        copy = lambda: _C.copy(block.ptr, x.data_ptr(), size)  # noqa: E731
+        block = arena.alloc(size)  # held until the del below
+        ptr = block.ptr
+        copy = lambda: _C.copy(ptr, x.data_ptr(), size)  # noqa: E731
         pooled = median_us(copy, calls)
         _C.set_threads(1)
         alone = median_us(copy, calls)
@@ -109,7 +110,7 @@ def pool_against_caller(arena, sizes: list, calls: int) -> None:
         pin = median_us(lambda: x.pin_memory(), calls) if fastpin.cuda_available() else float("nan")
         torch.set_num_threads(saved)
         print(f"  {size:9d} bytes: pool {pooled:8.2f}  alone {alone:8.2f}  torch pin, 1 thread {pin:8.2f}")
-        del block
+        del copy, block
 
 
 def main() -> None:
