@@ -92,10 +92,13 @@ static PyObject *Arena_alloc(ArenaObject *self, PyObject *arg)
     if (fp_u64_arg(arg, "alloc: nbytes", 0, UINT64_MAX, "a number of bytes >= 0", &size))
         return NULL;
     fp_lease_t *lease;
-    int status;
-    Py_BEGIN_ALLOW_THREADS
-    status = fp_lease_alloc(self->arena, size, &lease);
-    Py_END_ALLOW_THREADS
+    /* As fp_pin_copies: the GIL kept unless only waiting makes room. */
+    int status = fp_lease_try_alloc(self->arena, size, &lease);
+    if (status == FP_EBUSY) {
+        Py_BEGIN_ALLOW_THREADS
+        status = fp_lease_alloc(self->arena, size, &lease);
+        Py_END_ALLOW_THREADS
+    }
     if (status)
         return fp_raise(st, status);
     return Block_wrap(st, lease);
