@@ -318,9 +318,7 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
     """
     from fastpin._arena import get_capacity
 
-    paths = _checked_paths(paths, batches, warmup, min_seconds)
-    if not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a whole number >= 1, not {rounds!r}")
+    paths = _checked_paths(paths, batches, warmup, min_seconds, rounds)
     target, host_reason = target_of(device)
     if step is None and compute_ms > 0:
         step = gpu_compute(compute_ms, target) if target is not None else host_compute(compute_ms)
@@ -331,15 +329,11 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
     runnable = [p for p in paths if why_not(p, target, host_reason) is None]
     reporter, own = reporter_for(progress, rounds * len(runnable) * (1 + warmup + batches), name)
     capacity = capacity or get_capacity()   # None: each path's arena sizes itself
-    seen = {"batch_bytes": int(batch_bytes or 0)}   # the largest batch so far, for zero-copy
-    runs: dict = {path: [] for path in runnable}
+
+    def make_run(seen: int) -> PathRun:
+        return PathRun(loader_factory, target, depth=depth, capacity=capacity, batch_bytes=seen)
     try:
-        for _ in range(rounds):
-            for path in runnable:
-                run = PathRun(loader_factory, target, depth=depth, capacity=capacity,
-                              batch_bytes=seen["batch_bytes"])
-                runs[path].append(_measured(path, run, results, step, reporter))
-                seen["batch_bytes"] = run.batch_bytes
+        runs = _rounds(runnable, make_run, int(batch_bytes or 0), results, step, reporter)
     finally:
         if own:
             reporter.close()
@@ -350,6 +344,20 @@ def compare(loader_factory: Callable[[bool], Iterable], *,
         else:
             results.rows.append(_median_run(runs[path]))
     return results
+
+
+def _rounds(paths: list, make_run: Callable[[int], PathRun], seen: int, results: Results,
+            step: Optional[Callable], reporter: Progress) -> dict:
+    """{path: [Row of each round]}: results.rounds rounds, the paths in turn,
+    each run made by make_run(seen): the largest batch seen so far (at first
+    the batch_bytes given), which sizes zero-copy's shared arena."""
+    runs: dict = {path: [] for path in paths}
+    for _ in range(results.rounds):
+        for path in paths:
+            run = make_run(seen)
+            runs[path].append(_measured(path, run, results, step, reporter))
+            seen = run.batch_bytes
+    return runs
 
 
 def _median_run(rows: list) -> Row:
@@ -366,7 +374,7 @@ def _median_run(rows: list) -> Row:
 
 
 def _checked_paths(paths: Optional[Sequence[str]], batches: int, warmup: int,
-                   min_seconds: float) -> list:
+                   min_seconds: float, rounds: int = 1) -> list:
     """compare()'s paths (default: all, in PATHS's order), once its arguments
     are checked; ValueError names what is wrong before any path runs."""
     paths = list(PATHS) if paths is None else list(paths)
@@ -378,6 +386,8 @@ def _checked_paths(paths: Optional[Sequence[str]], batches: int, warmup: int,
     if not min_seconds >= 0 or min_seconds == float("inf"):
         raise ValueError(f"min_seconds must be a finite number of seconds >= 0, not "
                          f"{min_seconds!r}")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a whole number >= 1, not {rounds!r}")
     return paths
 
 
