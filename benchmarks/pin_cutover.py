@@ -44,6 +44,7 @@ import torch
 import fastpin
 from fastpin import _C, _pin
 from fastpin.bench import procfs
+from pin_parts import blocks_cycled  # beside this file: python puts its folder first on sys.path
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = ["64K", "256K", "1M", "2M", "4M", "8M", "16M", "64M", "256M", "1G"]
@@ -215,12 +216,10 @@ def check(sources: list, settings: dict, defaults: dict, nbytes: int) -> None:
 
 
 def distinct_blocks(sources: list, defaults: dict, calls: int = 200) -> int:
-    """Distinct addresses fastpin.pin_memory gives over `calls` calls at the
-    defaults, each result dropped before the next (the sources in turn): 1
-    where the freed block is taken again at once, its lines still in cache."""
+    """pin_parts.blocks_cycled at the defaults: 1 where the freed block is
+    taken again at once, its lines still in cache."""
     _pin.tune_copy(**defaults)
-    nxt = rotation(sources)
-    return len({fastpin.pin_memory(nxt()).data_ptr() for _ in range(calls)})
+    return blocks_cycled(sources[0], calls)
 
 
 def measure_row(cells: list, nbytes: int, defaults: dict, seconds_per_cell: float,

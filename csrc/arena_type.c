@@ -85,6 +85,21 @@ static void Arena_dealloc(ArenaObject *self)
     Py_DECREF(type);
 }
 
+/* A block of `size` bytes of `arena`, taken with the GIL held (letting it go
+ * and taking it back costs more than the allocator's bookkeeping, and another
+ * thread may keep it meanwhile); let go only to wait where the GPU's copies
+ * hold the room. 0, or a status (no exception set). */
+static int fp_lease_take(fp_arena_t *arena, uint64_t size, fp_lease_t **lease)
+{
+    int status = fp_lease_try_alloc(arena, size, lease);
+    if (status == FP_EBUSY) {
+        Py_BEGIN_ALLOW_THREADS
+        status = fp_lease_alloc(arena, size, lease);
+        Py_END_ALLOW_THREADS
+    }
+    return status;
+}
+
 static PyObject *Arena_alloc(ArenaObject *self, PyObject *arg)
 {
     fp_state *st = fp_state_of_type(Py_TYPE(self));
@@ -92,13 +107,7 @@ static PyObject *Arena_alloc(ArenaObject *self, PyObject *arg)
     if (fp_u64_arg(arg, "alloc: nbytes", 0, UINT64_MAX, "a number of bytes >= 0", &size))
         return NULL;
     fp_lease_t *lease;
-    /* As fp_pin_copies: the GIL kept unless only waiting makes room. */
-    int status = fp_lease_try_alloc(self->arena, size, &lease);
-    if (status == FP_EBUSY) {
-        Py_BEGIN_ALLOW_THREADS
-        status = fp_lease_alloc(self->arena, size, &lease);
-        Py_END_ALLOW_THREADS
-    }
+    int status = fp_lease_take(self->arena, size, &lease);
     if (status)
         return fp_raise(st, status);
     return Block_wrap(st, lease);
@@ -168,16 +177,8 @@ int fp_pin_copies(fp_state *st, fp_arena_t *arena, fp_copy_t *copies,
     fp_copier_t *copier = fp_get_copier(st);
     if (!copier)
         return -1;
-    /* Letting the GIL go and taking it back costs more than taking a block
-     * or a small copy (and another thread may keep it meanwhile): the block is
-     * taken with it held unless only waiting makes room. */
-    int status = fp_lease_try_alloc(arena, total, lease);
-    st->busy++;
-    if (status == FP_EBUSY) {
-        Py_BEGIN_ALLOW_THREADS
-        status = fp_lease_alloc(arena, total, lease);
-        Py_END_ALLOW_THREADS
-    }
+    st->busy++; /* the pool is kept as it is while the GIL may be let go */
+    int status = fp_lease_take(arena, total, lease);
     if (!status) {
         size_t used = 0;
         uint64_t bytes = 0;
