@@ -214,7 +214,7 @@ static fp_arena_t *fp_arena_new(int flags, int attached)
 static void fp_arena_unpin(fp_arena_t *a)
 {
     FP_CUDA_SCOPE(scope, a->ctx);
-    if (!scope.pushed)
+    if (!scope.current)
         return;
     for (uint32_t b = 0; b < a->meta->max_blocks; b++)
         if (a->events[b])
@@ -613,7 +613,7 @@ static int fp_arena_wait_oldest(fp_arena_t *a)
         fp_cuda_ticket_wait(a->ctx, ticket);
     } else {
         FP_CUDA_SCOPE(scope, a->ctx);
-        if (scope.pushed)
+        if (scope.current)
             FP_CU_IGNORE(cuEventSynchronize(ev));
     }
     return fp_arena_lock(a);

@@ -392,7 +392,7 @@ static PyObject *fp_pin_items(fp_state *st, ArenaObject *self, PyObject **items,
         FP_CUDA_SCOPE(scope, ctx);
         took = fp_read_batch(st, &b, items, n,
                              !check_pinned   ? FP_PINNED_NEVER
-                             : scope.pushed ? FP_PINNED_BY_DRIVER
+                             : scope.current ? FP_PINNED_BY_DRIVER
                                             : FP_PINNED_BY_TORCH);
     }
     if (took <= 0) {

@@ -272,13 +272,15 @@ int fp_cuda_captures(void); /* captures under way now */
 #define FP_CU_RESULT(call) (fp_cuda.call)
 
 /* A context current for the rest of the enclosing block: FP_CUDA_SCOPE pushes
- * it, and the block's end pops it however the block is left (return, break,
- * goto out; never jump into the block past it). A NULL context pushes
- * nothing. `scope.pushed` says whether the push worked; fp_cuda_scope_status
- * turns a failed push into FP_ECUDA with the driver's message (the push
- * itself sets no message, for the free and teardown paths that only skip). */
+ * it unless it is current already, and the block's end pops what it pushed
+ * however the block is left (return, break, goto out; never jump into the
+ * block past it). A NULL context pushes nothing. `scope.current` says whether
+ * the context is current in the block; fp_cuda_scope_status turns a failed
+ * push into FP_ECUDA with the driver's message (the push itself sets no
+ * message, for the free and teardown paths that only skip). */
 typedef struct fp_cuda_scope_s {
-    int pushed;            /* the context is current; the block's end pops it */
+    int current;           /* the context is current in the block */
+    int pushed;            /* the scope pushed it: the block's end pops it */
     fp_cu_result_t result; /* what the push returned; FP_CUDA_SUCCESS if none */
 } fp_cuda_scope_t;
 fp_cuda_scope_t fp_cuda_scope_enter(fp_cu_context_t ctx);

@@ -868,6 +868,30 @@ static void test_capture_fence(void)
     fp_arena_decref(a);
 }
 
+/* A scope over the context already current in this thread pushes nothing
+ * (a push and its pop cost 50-75 ns a call on the GPU machines; torch keeps
+ * its device's primary context current in the threads that used it), and one
+ * over another context pushes it and pops it at the block's end. */
+static fp_cu_context_t fake_current;
+static int fake_pushes, fake_pops;
+static fp_cu_result_t fake_get_current(fp_cu_context_t *ctx)
+{
+    *ctx = fake_current;
+    return FP_CUDA_SUCCESS;
+}
+static fp_cu_result_t counting_push(fp_cu_context_t ctx)
+{
+    (void)ctx;
+    fake_pushes++;
+    return FP_CUDA_SUCCESS;
+}
+static fp_cu_result_t counting_pop(fp_cu_context_t *ctx)
+{
+    *ctx = fake_current;
+    fake_pops++;
+    return FP_CUDA_SUCCESS;
+}
+
 /* Fences by ticket (drivers without cuCtxRecordEvent), on fake driver calls
  * where no driver is loaded: every ticket ends up done, none while a capture
  * is under way, and many threads may ask and wait at once (TSan). */
@@ -910,6 +934,7 @@ static void test_fence_tickets(void)
         return; /* the real driver's table is in use: the GPU run tests tickets
                    through FASTPIN_FENCE=sync instead */
     fp_cuda_t saved = fp_cuda;
+    fp_cuda.cuCtxGetCurrent = fake_get_current; /* none current */
     fp_cuda.cuCtxPushCurrent = fake_push;
     fp_cuda.cuCtxPopCurrent = fake_pop;
     fp_cuda.cuCtxSynchronize = fake_sync;
@@ -937,6 +962,41 @@ static void test_fence_tickets(void)
     }
     /* Every wait above returned after the syncer's last sync, under its
      * lock: it is idle now, and reads the table only when asked again. */
+    fp_cuda = saved;
+}
+
+static void test_scope_skips_current(void)
+{
+    if (fp_cuda_load() == FP_CUDA_READY)
+        return; /* the real driver's table is in use */
+    fp_cuda_t saved = fp_cuda;
+    fp_cuda.cuCtxGetCurrent = fake_get_current;
+    fp_cuda.cuCtxPushCurrent = counting_push;
+    fp_cuda.cuCtxPopCurrent = counting_pop;
+    fp_cu_context_t other = (fp_cu_context_t)&fake_pops;
+    fake_current = fake_ctx;
+    {
+        FP_CUDA_SCOPE(scope, fake_ctx);
+        EXPECT(scope.current && !scope.pushed && fp_cuda_scope_status(&scope) == FP_OK);
+    }
+    EXPECT(fake_pushes == 0 && fake_pops == 0);
+    {
+        FP_CUDA_SCOPE(scope, other);
+        EXPECT(scope.current && scope.pushed && fp_cuda_scope_status(&scope) == FP_OK);
+        EXPECT(fake_pushes == 1 && fake_pops == 0);
+    }
+    EXPECT(fake_pushes == 1 && fake_pops == 1);
+    fake_current = NULL; /* none current: pushed */
+    {
+        FP_CUDA_SCOPE(scope, fake_ctx);
+        EXPECT(scope.current && scope.pushed);
+    }
+    EXPECT(fake_pushes == 2 && fake_pops == 2);
+    {
+        FP_CUDA_SCOPE(scope, NULL); /* nothing asked */
+        EXPECT(!scope.current && !scope.pushed && fp_cuda_scope_status(&scope) == FP_OK);
+    }
+    EXPECT(fake_pushes == 2 && fake_pops == 2);
     fp_cuda = saved;
 }
 
@@ -1295,6 +1355,7 @@ int main(void)
     test_try_alloc();
     test_capture_fence();
     test_fence_tickets();
+    test_scope_skips_current();
     test_attach_errors();
     test_prefault();
     test_populate_parallel();
