@@ -77,6 +77,9 @@ SETTINGS = {
     "pool_spin_fine_nostream": {"spin_ns": 100_000, "inline_max": 0, "inline_spin": 0,
                                 "chunk_min": 64 * KiB, "chunk_min_spin": 64 * KiB,
                                 "streaming": False, "torch_copy": None},
+    # the same in chunks from 16 KiB
+    "pool_spin_16k": {"spin_ns": 100_000, "inline_max": 0, "inline_spin": 0,
+                      "chunk_min": 16 * KiB, "chunk_min_spin": 16 * KiB, "torch_copy": None},
 }
 QUICK_SETTINGS = ["default", "spin100us", "pool", "stream_off", "torch_copy"]
 
