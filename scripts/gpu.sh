@@ -56,6 +56,12 @@
 #                                (GPT-2 from a config) through stock, install() and
 #                                install(device="cuda"), Lightning also through Loader(device)
 #                                and the GPU-resident upper bound (about 8 minutes)
+#   bash scripts/gpu.sh team [DIR [NAME=VALUE ...]]  build, then benchmarks/team_copy.c with
+#                                a thread per CPU (a copy team against OpenMP's, memcpy
+#                                against an AVX2 loop, hot and cold); with DIR (a tree with
+#                                csrc/, fastpin/, setup.py: a copy pool under trial) that
+#                                build's pin table, torch's copy_ against the pool spinning
+#                                in slices from 16 KiB, NAME=VALUE set for it (about 5 minutes)
 #   bash scripts/gpu.sh streams [OLD] build, the stream-safety tests under both fences
 #                                (cuCtxRecordEvent, FASTPIN_FENCE=sync) and
 #                                benchmarks/stream_race.py; with OLD (a directory
@@ -255,6 +261,22 @@ if [ "$what" = percall ]; then
     step timeout 130 python3 -m fastpin.bench --case tokens --case token_windows --case recsys \
         --workers 15 --path pin_memory --path prefetcher --path install --path install_device \
         --path zero_copy --no-progress --json "$OUT/bench_small.json"
+fi
+if [ "$what" = team ]; then
+    # The copy by a spinning team against torch's OpenMP team, memcpy against
+    # an AVX2 loop (no fastpin); with DIR (a tree holding csrc/, fastpin/ and
+    # setup.py, a pool under trial) the pin table of that build, torch's copy_
+    # (default) against the pool spinning in slices from 16 KiB; DIR's
+    # environment settings after it (NAME=VALUE ...) apply to that run.
+    step timeout 60 bash -c "gcc -O2 -fopenmp -pthread -o /tmp/team_copy benchmarks/team_copy.c \
+        && /tmp/team_copy $(nproc) 300 | tee $OUT/team_copy.txt"
+    if [ $# -gt 0 ]; then
+        dir=$(realpath "$1"); shift
+        step timeout 150 bash -c "cd $dir && python3 setup.py -q build_ext --inplace"
+        step timeout 200 env "$@" PYTHONPATH="$dir" python3 benchmarks/pin_cutover.py --recommend \
+            --sizes 256K 1M 2M 4M 8M 16M --settings default pool_spin_16k --max-seconds 150 \
+            --json "$OUT/team_cutover.json"
+    fi
 fi
 if [ "$what" = profile ]; then
     step env PYTHONPATH="$PWD" python3 benchmarks/profile_zero_copy.py "$@"
