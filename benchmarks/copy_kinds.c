@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "streaming.h" /* the copy pool's streaming loop */
+#include "avx2_copy.h" /* the AVX2 loop, beside this file */
 
 /* The streaming loop's shape with ordinary stores. */
 static void sse2_copy(char *dst, const char *src, size_t n)
@@ -27,21 +28,6 @@ static void sse2_copy(char *dst, const char *src, size_t n)
     for (; n >= 64; dst += 64, src += 64, n -= 64)
         for (int k = 0; k < 64; k += 16)
             _mm_store_si128((__m128i *)(dst + k), _mm_loadu_si128((const __m128i *)(src + k)));
-    memcpy(dst, src, n);
-}
-
-__attribute__((target("avx2"))) static void avx2_copy(char *dst, const char *src, size_t n)
-{
-    for (; n >= 128; dst += 128, src += 128, n -= 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)src);
-        __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(src + 64));
-        __m256i d = _mm256_loadu_si256((const __m256i *)(src + 96));
-        _mm256_storeu_si256((__m256i *)dst, a);
-        _mm256_storeu_si256((__m256i *)(dst + 32), b);
-        _mm256_storeu_si256((__m256i *)(dst + 64), c);
-        _mm256_storeu_si256((__m256i *)(dst + 96), d);
-    }
     memcpy(dst, src, n);
 }
 

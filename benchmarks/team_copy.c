@@ -37,6 +37,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "avx2_copy.h" /* the AVX2 loop, beside this file */
+
 #define MAX_THREADS 256
 #define CHUNK (64u << 10)
 #define RING (1ull << 30)
@@ -76,21 +78,6 @@ typedef struct {
 } team_t;
 
 static team_t team;
-
-__attribute__((target("avx2"))) static void avx2_copy(char *dst, const char *src, size_t n)
-{
-    for (; n >= 128; dst += 128, src += 128, n -= 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)src);
-        __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(src + 64));
-        __m256i d = _mm256_loadu_si256((const __m256i *)(src + 96));
-        _mm256_storeu_si256((__m256i *)dst, a);
-        _mm256_storeu_si256((__m256i *)(dst + 32), b);
-        _mm256_storeu_si256((__m256i *)(dst + 64), c);
-        _mm256_storeu_si256((__m256i *)(dst + 96), d);
-    }
-    memcpy(dst, src, n);
-}
 
 /* The teams' copy: memcpy, or avx2_copy. */
 static void *(*slice_copy)(void *, const void *, size_t) = memcpy;
