@@ -868,10 +868,9 @@ static void test_capture_fence(void)
     fp_arena_decref(a);
 }
 
-/* A scope over the context already current in this thread pushes nothing
- * (a push and its pop cost 50-75 ns a call on the GPU machines; torch keeps
- * its device's primary context current in the threads that used it), and one
- * over another context pushes it and pops it at the block's end. */
+/* Fake driver calls, where no driver is loaded: the current context is
+ * fake_current, and pushes and pops are counted (the syncer thread of the
+ * ticket test pushes too). */
 static fp_cu_context_t fake_current;
 static int fake_pushes, fake_pops;
 static fp_cu_result_t fake_get_current(fp_cu_context_t *ctx)
@@ -879,16 +878,16 @@ static fp_cu_result_t fake_get_current(fp_cu_context_t *ctx)
     *ctx = fake_current;
     return FP_CUDA_SUCCESS;
 }
-static fp_cu_result_t counting_push(fp_cu_context_t ctx)
+static fp_cu_result_t fake_push(fp_cu_context_t ctx)
 {
     (void)ctx;
-    fake_pushes++;
+    __atomic_add_fetch(&fake_pushes, 1, __ATOMIC_RELAXED);
     return FP_CUDA_SUCCESS;
 }
-static fp_cu_result_t counting_pop(fp_cu_context_t *ctx)
+static fp_cu_result_t fake_pop(fp_cu_context_t *ctx)
 {
     *ctx = fake_current;
-    fake_pops++;
+    __atomic_add_fetch(&fake_pops, 1, __ATOMIC_RELAXED);
     return FP_CUDA_SUCCESS;
 }
 
@@ -896,16 +895,6 @@ static fp_cu_result_t counting_pop(fp_cu_context_t *ctx)
  * where no driver is loaded: every ticket ends up done, none while a capture
  * is under way, and many threads may ask and wait at once (TSan). */
 static int fake_syncs;
-static fp_cu_result_t fake_push(fp_cu_context_t ctx)
-{
-    (void)ctx;
-    return FP_CUDA_SUCCESS;
-}
-static fp_cu_result_t fake_pop(fp_cu_context_t *ctx)
-{
-    *ctx = NULL;
-    return FP_CUDA_SUCCESS;
-}
 static fp_cu_result_t fake_sync(void)
 {
     __atomic_add_fetch(&fake_syncs, 1, __ATOMIC_RELAXED);
@@ -965,14 +954,22 @@ static void test_fence_tickets(void)
     fp_cuda = saved;
 }
 
+/* A scope over the context already current in this thread pushes nothing
+ * (a push and its pop cost 50-75 ns a call on the GPU machines; torch keeps
+ * its device's primary context current in the threads that used it), and one
+ * over another context pushes it and pops it at the block's end. */
 static void test_scope_skips_current(void)
 {
     if (fp_cuda_load() == FP_CUDA_READY)
         return; /* the real driver's table is in use */
     fp_cuda_t saved = fp_cuda;
     fp_cuda.cuCtxGetCurrent = fake_get_current;
-    fp_cuda.cuCtxPushCurrent = counting_push;
-    fp_cuda.cuCtxPopCurrent = counting_pop;
+    fp_cuda.cuCtxPushCurrent = fake_push;
+    fp_cuda.cuCtxPopCurrent = fake_pop;
+    /* The ticket test's syncer is idle (its last wait returned under the
+     * syncer's lock): only this thread counts from here. */
+    __atomic_store_n(&fake_pushes, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&fake_pops, 0, __ATOMIC_RELAXED);
     fp_cu_context_t other = (fp_cu_context_t)&fake_pops;
     fake_current = fake_ctx;
     {
