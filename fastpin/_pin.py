@@ -40,7 +40,12 @@ log = logging.getLogger("fastpin")
 # (torch's threads wait for the next call spinning). On the H100 machine
 # (2026-12-07) the pool's threads spinning 100 us and sharing every batch did
 # not change that: 0.3-0.5x of torch's copy_ from 1 to 8 MiB hot, 0.4-0.9x
-# cold; so the pool's spin stays 0 (benchmarks/RESULTS.md).
+# cold; so the pool's spin stays 0 (benchmarks/RESULTS.md). A team of spinning
+# threads, each copying the same slice every call, did beat torch's pin there
+# (1.03-1.53x from 256 KiB to 8 MiB, 2026-12-07, benchmarks/copier_team.patch),
+# but with num_workers=0 it took install()'s loop to 0.34-0.53x of stock: its
+# threads spun beside torch's own, which make and collate the batch in the same
+# process. The spin stays 0 for that, and torch's copy_ keeps the span.
 _torch_copy: Optional[tuple] = (256 << 10, 16 << 20)
 
 # The copy pool's knobs (_C.set_copy_tuning's keywords, and spin and streaming).
@@ -54,12 +59,14 @@ def tune_copy(**knobs) -> dict:
     """Set how fastpin.pin_memory copies, now and for every copy pool made later
     in this process; returns copy_tuning(). Knobs (bytes of a whole batch):
     spin_ns (how long the pool's threads poll for the next batch after a chunk,
-    0 to 10 ms), streaming (stores that bypass the cache, from stream_min),
-    inline_max (up to this the calling thread copies alone, shared only with
-    spinning threads above inline_spin), chunk_min / chunk_max / chunk_min_spin
-    (the pieces the pool's threads take), torch_copy ((lo, hi): batches of plain
-    torch tensors of lo to hi bytes go through torch's copy_ where the calling
-    thread has more than one torch thread; None: none do)."""
+    0 to 10 ms; they take cores from torch's own threads meanwhile, which made
+    a loop with num_workers=0 slower), streaming (stores that bypass the cache,
+    from stream_min), inline_max (up to this the calling thread copies alone,
+    shared only with spinning threads above inline_spin), chunk_min /
+    chunk_max / chunk_min_spin (the pieces the pool's threads take), torch_copy
+    ((lo, hi): batches of plain torch tensors of lo to hi bytes go through
+    torch's copy_ where the calling thread has more than one torch thread;
+    None: none do)."""
     global _torch_copy
     unknown = set(knobs) - set(COPY_KEYS)
     if unknown:

@@ -99,13 +99,19 @@ def shell(commands: str, timeout: float, venv: Path) -> subprocess.CompletedProc
                           text=True, timeout=timeout)
 
 
+def runs_python(words: list) -> bool:
+    """Whether a command line runs python: its first word after any NAME=VALUE
+    settings (or after `env` and them)."""
+    words = [w for w in words if w != "env" and not re.fullmatch(r"[A-Za-z_]\w*=.*", w)]
+    return bool(words) and re.fullmatch(r"python3?", words[0]) is not None
+
+
 def with_flags(commands: str, flags: str) -> str:
     """Each python command of the block, with `flags` appended."""
     out = []
     for line in commands.splitlines():
         words = shlex.split(line) if line.strip() else []
-        runs_python = any(re.fullmatch(r"python3?", w) for w in words[:3])
-        out.append(f"{line} {flags}" if runs_python and flags else line)
+        out.append(f"{line} {flags}" if runs_python(words) and flags else line)
     return "\n".join(out)
 
 
@@ -125,7 +131,7 @@ def test_cpu_commands_of_results_run(commands, flags, venv):
 def test_gpu_commands_of_results_take_their_options(commands, venv):
     for line in commands.splitlines():
         words = shlex.split(line)
-        if any(re.fullmatch(r"python3?", w) for w in words[:3]):
+        if runs_python(words):
             r = shell(f"{line} --help", timeout=120, venv=venv)
             assert r.returncode == 0 and "usage" in r.stdout.lower(), \
                 f"{line} --help\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
