@@ -21,7 +21,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTHONS ?=
 export FASTPIN_WERROR ?= 1
 
-.PHONY: help bench test test-c test-py test-asan-py test-pythons notebook install install-dev clean
+.PHONY: help bench test test-c test-py test-asan-py test-tsan-py test-pythons notebook install install-dev clean
 
 help:
 	@echo "make bench         venv in $(VENV) (torch, numpy, matplotlib, tqdm) + fastpin, then the benchmark (BENCH_ARGS=--quick: short)"
@@ -29,6 +29,7 @@ help:
 	@echo "make test-c        the C core's tests: plain, ASan+UBSan, TSan (tests/c)"
 	@echo "make test-py       pytest in $(VENV), with requirements-dev.txt added (PYTEST_ARGS=...)"
 	@echo "make test-asan-py  pytest of pin_memory, zero-copy, the Loader, settings on an ASan+UBSan build"
+	@echo "make test-tsan-py  pytest of the copy pool from many Python threads on a TSan build"
 	@echo "make test-pythons  each Python 3.10-3.13 found (PYTHONS=...): fastpin built into a"
 	@echo "                   venv without torch (.venv-py3.X), and the tests that need no torch"
 	@echo "make notebook      examples/compare_throughput.ipynb run headless in $(VENV), to out/"
@@ -132,12 +133,14 @@ notebook: install-dev
 ASAN_PY_DIR := build/asan-py
 ASAN_PY_TESTS := test_pin_batch test_pin_memory test_pin_default test_properties test_dlpack test_arena \
 	test_zero_copy test_record test_shared_arena test_loader test_loader_stats test_install \
-	test_reliability test_settings test_index_queue
+	test_reliability test_settings test_index_queue test_copier_spin
 # gcc 12's ASan takes no allocator lock around fork (LLVM added one in #75290):
 # a worker forked while another thread allocates can hang in its first malloc.
-# The first zero-copy Loader of the run did, 2 runs of 3; spawn starts it instead.
+# The first zero-copy Loader of the run did, 2 runs of 3; spawn starts it instead
+# (the copy pool's test of a forked worker, likewise, is left out).
 ASAN_PY_SKIP := $(foreach p,False True,\
-	--deselect "tests/test_zero_copy.py::test_workers_write_into_the_shared_arena[$(p)-fork]")
+	--deselect "tests/test_zero_copy.py::test_workers_write_into_the_shared_arena[$(p)-fork]") \
+	--deselect tests/test_copier_spin.py::test_a_zero_copy_worker_streams_from_4_mib_on_one_thread
 test-asan-py: $(VENV)/dev-deps.stamp
 	rm -rf $(ASAN_PY_DIR) && mkdir -p $(ASAN_PY_DIR)/tests
 	cp -r setup.py pyproject.toml README.md LICENSE csrc fastpin $(ASAN_PY_DIR)/
@@ -151,6 +154,26 @@ test-asan-py: $(VENV)/dev-deps.stamp
 	2>&1; echo $$? > pytest.rc; } | tee pytest.log
 	test "$$(cat $(ASAN_PY_DIR)/pytest.rc)" = 0
 	! grep -E ': runtime error: |ERROR: AddressSanitizer' $(ASAN_PY_DIR)/pytest.log
+
+# The copy pool from many Python threads (tests/test_copier_spin.py) on a TSan
+# build, made and run as test-asan-py's; libtsan preloaded. The test of a
+# DataLoader worker is left out: TSan kills a child forked from a process with
+# threads (die_after_fork), as every DataLoader worker is.
+TSAN_PY_DIR := build/tsan-py
+TSAN_PY_SKIP := --deselect tests/test_copier_spin.py::test_a_zero_copy_worker_streams_from_4_mib_on_one_thread
+test-tsan-py: $(VENV)/dev-deps.stamp
+	rm -rf $(TSAN_PY_DIR) && mkdir -p $(TSAN_PY_DIR)/tests
+	cp -r setup.py pyproject.toml README.md LICENSE csrc fastpin $(TSAN_PY_DIR)/
+	cp tests/*.py tests/tsan-py.supp $(TSAN_PY_DIR)/tests/ && rm -f $(TSAN_PY_DIR)/fastpin/*.so
+	cd $(TSAN_PY_DIR) && CC=gcc FASTPIN_DEBUG=1 FASTPIN_SANITIZE=thread \
+		$(abspath $(PY)) setup.py -q build_ext --inplace
+	cd $(TSAN_PY_DIR) && { \
+	LD_PRELOAD=$$(gcc -print-file-name=libtsan.so) \
+	TSAN_OPTIONS="halt_on_error=0 report_signal_unsafe=0 suppressions=$$PWD/tests/tsan-py.supp" \
+	$(abspath $(PY)) -m pytest -q --capture=sys tests/test_copier_spin.py $(TSAN_PY_SKIP) $(PYTEST_ARGS) \
+	2>&1; echo $$? > pytest.rc; } | tee pytest.log
+	test "$$(cat $(TSAN_PY_DIR)/pytest.rc)" = 0
+	! grep -E 'WARNING: ThreadSanitizer' $(TSAN_PY_DIR)/pytest.log
 
 test-pythons:
 	bash .ci/test-pythons $(PYTHONS)

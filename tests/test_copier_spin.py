@@ -223,6 +223,29 @@ def test_tuned_cut_overs_from_six_threads(knobs_kept, spin, which):
     run_threads(worker, 6)
 
 
+def test_the_default_cut_overs_from_six_threads(knobs_kept):
+    """The cut-overs pin_memory uses as shipped (the ends of torch's copy_ span
+    where this machine gives the calling thread several torch threads, the
+    pool's own), batches just below, at and above each from six threads at
+    once, every byte checked. Those past 64 MiB (streaming's start, at half the
+    last-level cache) are left to the C tests' tuned sizes: six threads of
+    them would hold gigabytes."""
+    t = _pin.copy_tuning()
+    assert t["spin_ns"] == 0 and t["torch_copy"] == (256 * KiB, 16 * MiB)
+    cuts = [t[k] for k in _pin._POOL_SIZES] + list(t["torch_copy"])
+    sizes = sorted({n + d for n in cuts for d in (-1, 0, 1) if 200 < n + d <= 64 * MiB})
+    assert 16 * MiB + 1 in sizes and 256 * KiB - 1 in sizes
+    start = threading.Barrier(6)
+
+    def worker(k: int) -> None:
+        start.wait()
+        for i, nbytes in enumerate(sizes[k % 2::2] + sizes[(k + 1) % 2::2]):
+            batch = _batch(nbytes, (k << 20) + i, (i + k) % 2)
+            _check(fastpin.pin_memory(batch), batch)
+
+    run_threads(worker, 6)
+
+
 def test_tuning_changed_while_threads_pin(knobs_kept):
     sizes = sorted({n for t in TUNINGS for n in _cuts(t)})
     default = {k: v for k, v in _pin.copy_tuning().items() if k in _pin.COPY_KEYS}
