@@ -130,50 +130,41 @@ notebook: install-dev
 # which pytest's default capture would lose with the halted process. A report
 # fails the run even where a test passed (from a worker the test let die); one
 # in a subprocess whose stderr a test reads fails that test by its exit status.
-ASAN_PY_DIR := build/asan-py
 ASAN_PY_TESTS := test_pin_batch test_pin_memory test_pin_default test_properties test_dlpack test_arena \
 	test_zero_copy test_record test_shared_arena test_loader test_loader_stats test_install \
 	test_reliability test_settings test_index_queue test_copier_spin
-# gcc 12's ASan takes no allocator lock around fork (LLVM added one in #75290):
-# a worker forked while another thread allocates can hang in its first malloc.
-# The first zero-copy Loader of the run did, 2 runs of 3; spawn starts it instead
-# (the copy pool's test of a forked worker, likewise, is left out).
-ASAN_PY_SKIP := $(foreach p,False True,\
-	--deselect "tests/test_zero_copy.py::test_workers_write_into_the_shared_arena[$(p)-fork]") \
-	--deselect tests/test_copier_spin.py::test_a_zero_copy_worker_streams_from_4_mib_on_one_thread
-test-asan-py: $(VENV)/dev-deps.stamp
-	rm -rf $(ASAN_PY_DIR) && mkdir -p $(ASAN_PY_DIR)/tests
-	cp -r setup.py pyproject.toml README.md LICENSE csrc fastpin $(ASAN_PY_DIR)/
-	cp tests/*.py $(ASAN_PY_DIR)/tests/ && rm -f $(ASAN_PY_DIR)/fastpin/*.so
-	cd $(ASAN_PY_DIR) && CC=gcc FASTPIN_DEBUG=1 FASTPIN_SANITIZE=address \
-		$(abspath $(PY)) setup.py -q build_ext --inplace
-	cd $(ASAN_PY_DIR) && { \
-	LD_PRELOAD=$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so) \
-	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	$(abspath $(PY)) -m pytest -q --capture=sys $(ASAN_PY_TESTS:%=tests/%.py) $(ASAN_PY_SKIP) $(PYTEST_ARGS) \
-	2>&1; echo $$? > pytest.rc; } | tee pytest.log
-	test "$$(cat $(ASAN_PY_DIR)/pytest.rc)" = 0
-	! grep -E ': runtime error: |ERROR: AddressSanitizer' $(ASAN_PY_DIR)/pytest.log
-
+# A forked DataLoader worker is left out under both sanitizers. gcc 12's ASan
+# takes no allocator lock around fork (LLVM added one in #75290): a worker forked
+# while another thread allocates can hang in its first malloc; the first
+# zero-copy Loader of the run did, 2 runs of 3 (spawn starts it instead). TSan
+# kills a child forked from a process with threads (die_after_fork).
+FORKED_WORKER := --deselect tests/test_copier_spin.py::test_a_zero_copy_worker_streams_from_4_mib_on_one_thread
+test-asan-py: SAN = address
+test-asan-py: SAN_DIR = build/asan-py
+test-asan-py: SAN_RUNTIME = LD_PRELOAD=$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so) \
+	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+test-asan-py: SAN_TESTS = $(ASAN_PY_TESTS:%=tests/%.py) $(FORKED_WORKER) $(foreach p,False True,\
+	--deselect "tests/test_zero_copy.py::test_workers_write_into_the_shared_arena[$(p)-fork]")
+test-asan-py: SAN_REPORT = : runtime error: |ERROR: AddressSanitizer
 # The copy pool from many Python threads (tests/test_copier_spin.py) on a TSan
-# build, made and run as test-asan-py's; libtsan preloaded. The test of a
-# DataLoader worker is left out: TSan kills a child forked from a process with
-# threads (die_after_fork), as every DataLoader worker is.
-TSAN_PY_DIR := build/tsan-py
-TSAN_PY_SKIP := --deselect tests/test_copier_spin.py::test_a_zero_copy_worker_streams_from_4_mib_on_one_thread
-test-tsan-py: $(VENV)/dev-deps.stamp
-	rm -rf $(TSAN_PY_DIR) && mkdir -p $(TSAN_PY_DIR)/tests
-	cp -r setup.py pyproject.toml README.md LICENSE csrc fastpin $(TSAN_PY_DIR)/
-	cp tests/*.py tests/tsan-py.supp $(TSAN_PY_DIR)/tests/ && rm -f $(TSAN_PY_DIR)/fastpin/*.so
-	cd $(TSAN_PY_DIR) && CC=gcc FASTPIN_DEBUG=1 FASTPIN_SANITIZE=thread \
+# build, made and run the same way; suppressions in tests/tsan-py.supp.
+test-tsan-py: SAN = thread
+test-tsan-py: SAN_DIR = build/tsan-py
+test-tsan-py: SAN_RUNTIME = LD_PRELOAD=$$(gcc -print-file-name=libtsan.so) \
+	TSAN_OPTIONS="halt_on_error=0 report_signal_unsafe=0 suppressions=$$PWD/tests/tsan-py.supp"
+test-tsan-py: SAN_TESTS = tests/test_copier_spin.py $(FORKED_WORKER)
+test-tsan-py: SAN_REPORT = WARNING: ThreadSanitizer
+test-asan-py test-tsan-py: $(VENV)/dev-deps.stamp
+	rm -rf $(SAN_DIR) && mkdir -p $(SAN_DIR)/tests
+	cp -r setup.py pyproject.toml README.md LICENSE csrc fastpin $(SAN_DIR)/
+	cp tests/*.py tests/*.supp $(SAN_DIR)/tests/ && rm -f $(SAN_DIR)/fastpin/*.so
+	cd $(SAN_DIR) && CC=gcc FASTPIN_DEBUG=1 FASTPIN_SANITIZE=$(SAN) \
 		$(abspath $(PY)) setup.py -q build_ext --inplace
-	cd $(TSAN_PY_DIR) && { \
-	LD_PRELOAD=$$(gcc -print-file-name=libtsan.so) \
-	TSAN_OPTIONS="halt_on_error=0 report_signal_unsafe=0 suppressions=$$PWD/tests/tsan-py.supp" \
-	$(abspath $(PY)) -m pytest -q --capture=sys tests/test_copier_spin.py $(TSAN_PY_SKIP) $(PYTEST_ARGS) \
+	cd $(SAN_DIR) && { $(SAN_RUNTIME) \
+	$(abspath $(PY)) -m pytest -q --capture=sys $(SAN_TESTS) $(PYTEST_ARGS) \
 	2>&1; echo $$? > pytest.rc; } | tee pytest.log
-	test "$$(cat $(TSAN_PY_DIR)/pytest.rc)" = 0
-	! grep -E 'WARNING: ThreadSanitizer' $(TSAN_PY_DIR)/pytest.log
+	test "$$(cat $(SAN_DIR)/pytest.rc)" = 0
+	! grep -E '$(SAN_REPORT)' $(SAN_DIR)/pytest.log
 
 test-pythons:
 	bash .ci/test-pythons $(PYTHONS)
