@@ -37,6 +37,10 @@ def parts(x, arena, cuda: bool) -> dict:
         "torch.empty_like(x).copy_(x)": lambda: torch.empty_like(x).copy_(x),
         "held pinned tensor.copy_(x)": (lambda: pinned.copy_(x)) if cuda else None,
         "held fastpin block.copy_(x)": lambda: block.copy_(x),
+        # A destination made anew each call, as pin_memory's is: the view alone,
+        # then the view and copy_ into it.
+        "block[:n] (a new view)": lambda: block[:x.nbytes],
+        "block[:n].copy_(x)": lambda: block[:x.nbytes].copy_(x),
         "x.pin_memory()": (lambda: x.pin_memory()) if cuda else None,
         "x.is_pinned()": lambda: x.is_pinned(),
         "x.requires_grad, x.is_neg()": lambda: (x.requires_grad, x.is_neg()),
