@@ -102,8 +102,9 @@ def shell(commands: str, timeout: float, venv: Path) -> subprocess.CompletedProc
 def runs_python(words: list) -> bool:
     """Whether a command line runs python: its first word after any NAME=VALUE
     settings (or after `env` and them)."""
-    words = [w for w in words if w != "env" and not re.fullmatch(r"[A-Za-z_]\w*=.*", w)]
-    return bool(words) and re.fullmatch(r"python3?", words[0]) is not None
+    setting = re.compile(r"env|[A-Za-z_]\w*=.*")
+    command = next((w for w in words if not setting.fullmatch(w)), "")
+    return re.fullmatch(r"python3?", command) is not None
 
 
 def with_flags(commands: str, flags: str) -> str:
