@@ -13,7 +13,7 @@ from setuptools import Extension, setup
 
 SOURCES = ["arena.c", "arena_type.c", "batch.c", "block_record.c", "block_type.c", "copier.c",
            "cuda.c", "dlpack.c", "error.c", "lease.c", "module.c", "prim.c", "record.c",
-           "repair.c", "stage.c", "tlsf.c"]
+           "repair.c", "stage.c", "team.c", "tlsf.c"]
 
 cflags = ["-std=gnu11", "-Wall", "-Wextra", "-fvisibility=hidden"]
 ldflags = []

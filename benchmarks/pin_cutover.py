@@ -69,6 +69,11 @@ SETTINGS = {
     "spin100us_stream_off": {"spin_ns": 100_000, "streaming": False},
     "spin100us_stream_all": {"spin_ns": 100_000, "stream_min": 0},
     "torch_copy": {"torch_copy": EVERY},
+    # the torch span filled through torch's copy_ (a Python call of it per
+    # leaf), not by its OpenMP team directly; and the team in larger slices
+    "copy_": {"team_grain": 0},
+    "team_64k": {"team_grain": 64 * KiB},
+    "team_128k": {"team_grain": 128 * KiB},
     # the pool alone (no torch copy_), its threads spinning 100 us, every batch
     # shared: in chunks from 512 KiB, and from 64 KiB (with streaming stores off)
     "pool_spin": {"spin_ns": 100_000, "inline_max": 0, "inline_spin": 0, "torch_copy": None},

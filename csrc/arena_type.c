@@ -170,12 +170,12 @@ static PyObject *fp_pin_result(PyObject *block, const uint64_t *offsets, Py_ssiz
     return result;
 }
 
-int fp_pin_copies(fp_state *st, fp_arena_t *arena, fp_copy_t *copies,
-                  const uint64_t *offsets, Py_ssize_t n, uint64_t total, fp_lease_t **lease)
+int fp_pin_copies(fp_state *st, fp_arena_t *arena, fp_copy_t *copies, const uint64_t *offsets,
+                  Py_ssize_t n, uint64_t total, unsigned team, fp_lease_t **lease)
 {
     *lease = NULL;
-    fp_copier_t *copier = fp_get_copier(st);
-    if (!copier)
+    fp_copier_t *copier = team ? NULL : fp_get_copier(st);
+    if (!team && !copier)
         return -1;
     st->busy++; /* the pool is kept as it is while the GIL may be let go */
     int status = fp_lease_take(arena, total, lease);
@@ -188,13 +188,13 @@ int fp_pin_copies(fp_state *st, fp_arena_t *arena, fp_copy_t *copies,
                 copies[used++].dst = (*lease)->ptr + offsets[i];
                 bytes += copies[i].size;
             }
-        if (bytes >= FP_GIL_COPY_MIN) {
-            Py_BEGIN_ALLOW_THREADS
+        PyThreadState *save = bytes >= FP_GIL_COPY_MIN ? PyEval_SaveThread() : NULL;
+        if (team)
+            fp_team_copy(&st->team, copies, used, team);
+        else
             status = fp_copier_run(copier, copies, used);
-            Py_END_ALLOW_THREADS
-        } else {
-            status = fp_copier_run(copier, copies, used);
-        }
+        if (save)
+            PyEval_RestoreThread(save);
     }
     st->busy--;
     if (status) {
@@ -237,7 +237,7 @@ static PyObject *Arena_pin(ArenaObject *self, PyObject *args)
     if (fp_pin_sources(st, fast, n, align, copies, offsets, &total) < 0)
         goto done;
     fp_lease_t *lease;
-    if (fp_pin_copies(st, self->arena, copies, offsets, n, total, &lease))
+    if (fp_pin_copies(st, self->arena, copies, offsets, n, total, 0, &lease))
         goto done;
     block = Block_wrap(st, lease);
     if (block)

@@ -329,15 +329,36 @@ typedef struct {
     uint64_t lo, hi;
 } fp_span_t;
 
-/* Whether torch's copy_ fills this batch (see fp_span_t). */
-static int fp_by_torch(const fp_batch_t *b, Py_ssize_t n, uint64_t data, const fp_span_t *span)
+/* Whether torch's threads fill this batch (see fp_span_t). Never in a
+ * process forked from the one that loaded fastpin: GNU libgomp's pool of
+ * threads does not survive fork, and a parallel region in the child of a
+ * process that ran one waits for them forever (torch's own ops too); there
+ * the copy pool, made anew in each process, copies. */
+static int fp_by_torch(const fp_state *st, const fp_batch_t *b, Py_ssize_t n, uint64_t data,
+                       const fp_span_t *span)
 {
-    if (!span || data < span->lo || data > span->hi)
+    if (!span || data < span->lo || data > span->hi || !fp_same_process(st->pid))
         return 0;
     for (Py_ssize_t i = 0; i < n; i++)
         if (b->leaves[i].kind == FP_LEAF_ARRAY)
             return 0;
     return 1;
+}
+
+/* Threads of torch's OpenMP team that copy a batch of `data` bytes in the
+ * torch span: one per team_grain bytes, at most the calling thread's torch
+ * threads (the caller asked torch.get_num_threads, which sets the runtime's
+ * count for this thread); 0 where no team was found or team_grain is 0:
+ * torch's copy_ fills the views. */
+static unsigned fp_team_size(const fp_state *st, uint64_t data)
+{
+    if (!st->team.parallel || !st->team_grain)
+        return 0;
+    uint64_t want = (data + st->team_grain - 1) / st->team_grain;
+    int most = st->team.max_threads();
+    if (most < 1)
+        most = 1;
+    return want < (uint64_t)most ? (want ? (unsigned)want : 1) : (unsigned)most;
 }
 
 /* Fills the views of a reserved block (its first byte at base) by torch's
@@ -405,22 +426,24 @@ static PyObject *fp_pin_items(fp_state *st, ArenaObject *self, PyObject **items,
         PyErr_Format(st->ArenaFullError, "pin_batch: more bytes than any arena holds (2**43)");
         goto done;
     }
-    int torch_fills = placed && fp_by_torch(&b, n, data, by_torch);
-    if (torch_fills)
+    int torch_fills = placed && fp_by_torch(st, &b, n, data, by_torch);
+    unsigned team = torch_fills ? fp_team_size(st, data) : 0;
+    if (torch_fills && !team)
         for (Py_ssize_t i = 0; i < placed; i++)
             copies[i].src = NULL; /* the block only reserved: torch fills its views */
     if (placed) {
         fp_lease_t *lease;
-        if (fp_pin_copies(st, self->arena, copies, offsets, placed, total, &lease))
+        if (fp_pin_copies(st, self->arena, copies, offsets, placed, total, team, &lease))
             goto done;
         if (!(block = Block_wrap(st, lease)))
             goto done;
     }
-    if ((result = fp_batch_views(st, &b, items, n, block)) && torch_fills &&
+    if ((result = fp_batch_views(st, &b, items, n, block)) && torch_fills && !team &&
         fp_torch_fill(st, &b, n, result, ((BlockObject *)block)->lease->ptr))
         Py_CLEAR(result); /* its views go, and with them the block */
     if (result) {
         st->pinned.by_torch += (uint64_t)torch_fills;
+        st->pinned.by_team += (uint64_t)(team > 0);
         st->pinned.batches++;
         st->pinned.leaves += (uint64_t)placed;
         st->pinned.bytes += data;
@@ -748,10 +771,11 @@ done:
 PyObject *fp_pin_counts(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
     fp_state *st = PyModule_GetState(module);
-    return Py_BuildValue("(KKKK)", (unsigned long long)st->pinned.batches,
+    return Py_BuildValue("(KKKKK)", (unsigned long long)st->pinned.batches,
                          (unsigned long long)st->pinned.leaves,
                          (unsigned long long)st->pinned.bytes,
-                         (unsigned long long)st->pinned.by_torch);
+                         (unsigned long long)st->pinned.by_torch,
+                         (unsigned long long)st->pinned.by_team);
 }
 
 int fp_names_init(fp_state *st)
@@ -772,8 +796,11 @@ PyObject *fp_use_torch(PyObject *module, PyObject *args)
 {
     fp_state *st = PyModule_GetState(module);
     PyObject *type, *capsule;
-    if (!PyArg_ParseTuple(args, "O!O:use_torch", &PyType_Type, &type, &capsule))
+    const char *owner = NULL;
+    if (!PyArg_ParseTuple(args, "O!O|z:use_torch", &PyType_Type, &type, &capsule, &owner))
         return NULL;
+    if (owner)
+        (void)fp_team_find(owner, &st->team); /* none found: all NULL, copy_ fills the span */
     if (!PyCapsule_IsValid(capsule, "dlpack_exchange_api"))
         Py_RETURN_FALSE;
     const fp_exchange_api_t *api = PyCapsule_GetPointer(capsule, "dlpack_exchange_api");

@@ -28,6 +28,8 @@
  *                (deferred free), unless the block was detached for another
  *                process to adopt.
  *   fp_copier_t  a pool of pthreads that does large memcpy in chunks (copier.c)
+ *   fp_team_t    torch's OpenMP team, found at run time, copying a run in
+ *                slices (team.c)
  *   fp_stage_h2d host-to-device copies, pageable sources staged through arena
  *                blocks (stage.c)
  *   fp_pid       this process, for every object that must tell whether it is
@@ -631,6 +633,31 @@ int fp_copier_test_max_spinning(fp_copier_t *copier);
 #endif
 /* The number of CPUs this process may run on (sched_getaffinity). */
 int fp_cpu_count(void);
+
+/* ---- torch's OpenMP team (team.c) -------------------------------------- */
+
+/* The OpenMP runtime's entry points that a team copy needs, as found in a
+ * loaded library's dependencies; all NULL where none was found. */
+typedef struct fp_team_s {
+    void (*parallel)(void (*fn)(void *), void *data, unsigned threads,
+                     unsigned flags); /* GOMP_parallel */
+    int (*thread_num)(void);          /* omp_get_thread_num */
+    int (*num_threads)(void);         /* omp_get_num_threads */
+    int (*max_threads)(void);         /* omp_get_max_threads: the calling
+                                         thread's team size, which torch's
+                                         set_num_threads sets */
+} fp_team_t;
+/* Fills *team from the first loaded object whose file name starts with
+ * `owner` ("libtorch_cpu." for torch) and the OpenMP runtime it links;
+ * FP_EINVAL (team all NULL) where no such object is loaded or it links no
+ * runtime. Loads nothing. */
+int fp_team_find(const char *owner, fp_team_t *team);
+/* Copies every entry with a team of up to `threads` threads (the caller
+ * one of them), each member a contiguous slice of the run's bytes, the
+ * entries taken back to back; returns when all are copied. threads < 2, or
+ * a team not found: the caller copies alone. Never call with the GIL held
+ * (the members run no Python, but the caller waits for them). */
+void fp_team_copy(const fp_team_t *team, const fp_copy_t *copies, size_t count, unsigned threads);
 
 /* ---- a zero-copy batch's layout record (record.c) ---------------------
  *

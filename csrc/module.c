@@ -332,6 +332,19 @@ static PyObject *fp_get_spin(PyObject *module, PyObject *Py_UNUSED(ignored))
     return copier ? PyLong_FromUnsignedLongLong(fp_copier_spin_ns(copier)) : NULL;
 }
 
+/* set_team_grain(bytes): the least bytes each thread of torch's OpenMP team
+ * copies of a batch in the torch span (batch.c); 0: torch's copy_ fills the
+ * span instead. Not yet a user setting. */
+static PyObject *fp_set_team_grain(PyObject *module, PyObject *arg)
+{
+    fp_state *st = PyModule_GetState(module);
+    uint64_t grain;
+    if (fp_u64_arg(arg, "team_grain", 0, FP_COPIER_TUNE_MAX, "0 to 2**40 (bytes)", &grain))
+        return NULL;
+    st->team_grain = grain;
+    Py_RETURN_NONE;
+}
+
 /* The tuning's fields by name, for set_copy_tuning's keywords and
  * copy_tuning's dict. */
 static size_t *fp_tuning_field(fp_copier_tuning_t *t, int i, const char **name)
@@ -395,10 +408,12 @@ static PyObject *fp_set_copy_tuning(PyObject *module, PyObject *args, PyObject *
 }
 
 /* copy_tuning() -> dict: the running pool's cut-overs, spin_ns, streaming,
- * threads and spinners (the most of its threads that may spin at once). */
+ * threads and spinners (the most of its threads that may spin at once),
+ * team_grain, and team (whether torch's OpenMP team was found). */
 static PyObject *fp_copy_tuning(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
-    fp_copier_t *copier = fp_get_copier(PyModule_GetState(module));
+    fp_state *st = PyModule_GetState(module);
+    fp_copier_t *copier = fp_get_copier(st);
     if (!copier)
         return NULL;
     fp_copier_tuning_t t;
@@ -417,13 +432,16 @@ static PyObject *fp_copy_tuning(PyObject *module, PyObject *Py_UNUSED(ignored))
         }
         Py_DECREF(v);
     }
-    PyObject *extra[4] = {PyLong_FromUnsignedLongLong(fp_copier_spin_ns(copier)),
+    PyObject *extra[6] = {PyLong_FromUnsignedLongLong(fp_copier_spin_ns(copier)),
                           PyBool_FromLong(fp_copier_streams(copier)),
                           PyLong_FromLong(fp_copier_threads(copier)),
-                          PyLong_FromLong(fp_copier_spinners(copier))};
-    const char *extra_names[4] = {"spin_ns", "streaming", "threads", "spinners"};
+                          PyLong_FromLong(fp_copier_spinners(copier)),
+                          PyLong_FromUnsignedLongLong(st->team_grain),
+                          PyBool_FromLong(st->team.parallel != NULL)};
+    const char *extra_names[6] = {"spin_ns", "streaming", "threads", "spinners", "team_grain",
+                                  "team"};
     int ok = 1;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 6; i++) {
         ok = ok && extra[i] && PyDict_SetItemString(out, extra_names[i], extra[i]) == 0;
         Py_XDECREF(extra[i]);
     }
@@ -543,8 +561,9 @@ done:
 
 static PyMethodDef fp_methods[] = {
     {"pin_counts", fp_pin_counts, METH_NOARGS,
-     "pin_counts() -> (batches, leaves, bytes, by_torch): what Arena.pin_tree and\n"
-     "pin_batch placed in this process; by_torch: the batches torch's copy_ filled."},
+     "pin_counts() -> (batches, leaves, bytes, by_torch, by_team): what Arena.pin_tree\n"
+     "and pin_batch placed in this process; by_torch: the batches torch's threads filled\n"
+     "(its copy_, or its OpenMP team), by_team: those of them the team filled."},
     {"set_pin_default", (PyCFunction)(void (*)(void))fp_set_pin_default, METH_FASTCALL,
      "set_pin_default(arenas, settings, check_pinned, lo, hi, threads) | set_pin_default(None)\n"
      "What pin_default reads: the default arenas by device (an Arena, or a GrowingArena\n"
@@ -558,9 +577,11 @@ static PyMethodDef fp_methods[] = {
      "a forked child, the arena full (the Python layer then grows it or applies\n"
      "on_full)."},
     {"use_torch", fp_use_torch, METH_VARARGS,
-     "use_torch(Tensor, api) -> bool\nLet pin_batch take torch tensors, through torch's\n"
-     "DLPack C exchange API (the capsule Tensor.__dlpack_c_exchange_api__);\n"
-     "False (and nothing changes) where that API is missing or of another major version."},
+     "use_torch(Tensor, api, team=None) -> bool\nLet pin_batch take torch tensors, through\n"
+     "torch's DLPack C exchange API (the capsule Tensor.__dlpack_c_exchange_api__);\n"
+     "False (and nothing changes) where that API is missing or of another major version.\n"
+     "team: the file name prefix of the loaded library whose OpenMP runtime torch's\n"
+     "parallel copies use (\"libtorch_cpu.\"), whose team then copies the torch span."},
     {"h2d", fp_h2d, METH_VARARGS,
      "h2d(arena, stream, [(dst, src, nbytes, pinned), ...], chunk=0)\n"
      "Queue host-to-device copies on a CUDA stream, staging pageable sources through\n"
@@ -590,9 +611,13 @@ static PyMethodDef fp_methods[] = {
      "copies alone (shared with spinning threads above inline_spin), from stream_min with\n"
      "streaming stores, chunks chunk_min (chunk_min_spin when shared with spinners only) to\n"
      "chunk_max. Those not given keep their value; now and for every later pool."},
+    {"set_team_grain", fp_set_team_grain, METH_O,
+     "set_team_grain(bytes)\nThe least bytes each thread of torch's OpenMP team copies of a\n"
+     "batch in the torch span; 0: torch's copy_ fills the span instead."},
     {"copy_tuning", fp_copy_tuning, METH_NOARGS,
      "copy_tuning() -> dict\nThe copy pool's cut-overs, spin_ns, streaming, threads and spinners\n"
-     "(the most of its threads that may spin at once: the CPUs it may use, less one)."},
+     "(the most of its threads that may spin at once: the CPUs it may use, less one),\n"
+     "team_grain, and team (whether torch's OpenMP team was found: use_torch)."},
     {"current_device", fp_current_device, METH_NOARGS,
      "The CUDA ordinal of the context current in this thread, or -1 (none, or no driver)."},
     {"block_size", fp_block_size, METH_O,
@@ -616,6 +641,8 @@ static int fp_exec(PyObject *module)
         return -1;
     fp_state *st = PyModule_GetState(module);
     fp_copier_tuning_default(&st->tuning);
+    st->team_grain = FP_TEAM_GRAIN;
+    st->pid = fp_pid();
     if (fp_names_init(st) < 0)
         return -1;
     st->ArenaType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Arena_spec, NULL);

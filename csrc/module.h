@@ -50,11 +50,20 @@ typedef struct {
     const fp_exchange_api_t *torch_api; /* torch's DLPack exchange API, or NULL */
     PyObject *names[FP_NAMES];
     PyObject *flags[FP_FLAGS]; /* torch.Tensor's descriptors of those names (use_torch) */
+    pid_t pid;                /* the process that made the module: torch's
+                                 threads fill the torch span only there (an
+                                 OpenMP team does not survive fork) */
+    fp_team_t team;           /* torch's OpenMP team (use_torch), or all NULL */
+    uint64_t team_grain;      /* the least bytes a member of it copies for the
+                                 torch span; 0: torch's copy_ fills the span
+                                 (set_team_grain); under the GIL */
     PyObject *byte_dtypes[2]; /* torch.int8, torch.uint8: what torch makes of DLPack's
                                  8-bit int and uint codes (batch.c), or NULL */
     struct {
         uint64_t batches, leaves, bytes;
-        uint64_t by_torch;    /* of the batches, those torch's copy_ filled */
+        uint64_t by_torch;    /* of the batches, those torch's threads filled
+                                 (its copy_, or its OpenMP team) */
+        uint64_t by_team;     /* of those, the ones the team filled */
     } pinned;                 /* what pin_batch placed in this process; under the GIL */
     struct {
         PyObject *arenas;     /* fastpin's default arenas by device (a dict), or
@@ -106,13 +115,19 @@ extern PyType_Spec Arena_spec;
 #define FP_GIL_COPY_MIN ((uint64_t)32 << 10)
 /* Allocates `total` bytes of `arena` and copies copies[i] (n entries; a NULL
  * source or 0 bytes skipped) to offsets[i] in it; the dst fields are filled
- * here. The GIL is let go only to wait for the GPU's copies (an arena whose
- * room they hold) and to copy FP_GIL_COPY_MIN bytes or more. *lease is the
- * new block, or NULL with an exception set (returns -1). */
-int fp_pin_copies(fp_state *st, fp_arena_t *arena, fp_copy_t *copies,
-                  const uint64_t *offsets, Py_ssize_t n, uint64_t total, fp_lease_t **lease);
+ * here. team: 0, the copy pool copies; else up to that many threads of
+ * torch's OpenMP team (st->team). The GIL is let go only to wait for the
+ * GPU's copies (an arena whose room they hold) and to copy FP_GIL_COPY_MIN
+ * bytes or more. *lease is the new block, or NULL with an exception set
+ * (returns -1). */
+int fp_pin_copies(fp_state *st, fp_arena_t *arena, fp_copy_t *copies, const uint64_t *offsets,
+                  Py_ssize_t n, uint64_t total, unsigned team, fp_lease_t **lease);
 
 /* batch.c */
+/* team_grain's default: torch's own grain for a copy of bytes (32768
+ * elements a thread), so the team is as large as torch's copy_ would make it
+ * for uint8 data. */
+#define FP_TEAM_GRAIN ((uint64_t)32 << 10)
 /* Interns st->names; 0, or -1 with an exception. */
 int fp_names_init(fp_state *st);
 PyObject *fp_use_torch(PyObject *module, PyObject *args);

@@ -185,9 +185,11 @@ def h2d(
     """Queue host-to-device copies (dst, src, nbytes, src is pinned) on a CUDA
     stream (a raw handle), staging pageable sources through the arena."""
 
-def use_torch(tensor_type: type, api: Any, /) -> bool:
+def use_torch(tensor_type: type, api: Any, team: str | None = ..., /) -> bool:
     """Let Arena.pin_batch take torch tensors through torch's DLPack C exchange
-    API (Tensor.__dlpack_c_exchange_api__); False where that API is unusable."""
+    API (Tensor.__dlpack_c_exchange_api__); False where that API is unusable.
+    team: the file name prefix of the loaded library whose OpenMP runtime
+    torch's parallel copies use; its team then copies the torch span."""
 def set_pin_default(arenas: dict[int, Any] | None, settings: Any = ..., check_pinned: bool = ...,
                     lo: int = ..., hi: int = ..., threads: Callable[[], int] = ..., /) -> None:
     """What pin_default reads: the default arenas by device, declining while
@@ -197,9 +199,10 @@ def pin_default(data: Any, /) -> Any:
     """pin_tree into the current device's default arena; NotImplemented where the
     batch needs the Python walk; None where it cannot (nothing set, a device
     configured, no arena for the current one, a forked child, the arena full)."""
-def pin_counts() -> tuple[int, int, int, int]:
-    """(batches, leaves, bytes, by_torch) that Arena.pin_tree and pin_batch placed
-    in this process; by_torch: the batches torch's copy_ filled."""
+def pin_counts() -> tuple[int, int, int, int, int]:
+    """(batches, leaves, bytes, by_torch, by_team) that Arena.pin_tree and
+    pin_batch placed in this process; by_torch: the batches torch's threads
+    filled (its copy_, or its OpenMP team); by_team: those the team filled."""
 def cuda_status() -> _CudaStatus: ...
 def capture_begin() -> None:
     """A CUDA graph capture begins in this process: free fences wait until it ends."""
@@ -215,8 +218,12 @@ def get_spin() -> int: ...
 def set_copy_tuning(*, inline_max: int = ..., inline_spin: int = ..., stream_min: int = ...,
                     chunk_min: int = ..., chunk_max: int = ..., chunk_min_spin: int = ...) -> None:
     """The copy pool's cut-overs in bytes of a run; those not given keep their value."""
+def set_team_grain(nbytes: int, /) -> None:
+    """The least bytes each thread of torch's OpenMP team copies of a batch in
+    the torch span; 0: torch's copy_ fills the span instead."""
 def copy_tuning() -> dict[str, int | bool]:
-    """The pool's cut-overs, spin_ns, streaming, threads and spinners."""
+    """The pool's cut-overs, spin_ns, streaming, threads and spinners, team_grain,
+    and team (whether torch's OpenMP team was found)."""
 def current_device() -> int:
     """The device whose context is current in the calling thread; -1 where none is."""
 def set_affinity(cpus: Sequence[int] | None, /) -> None:

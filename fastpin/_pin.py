@@ -21,14 +21,19 @@ log = logging.getLogger("fastpin")
 # ---- how the bytes are copied (not yet user settings: measurements pick them) ----
 
 # A batch of torch tensors alone (the C path's: Arena.pin_tree, pin_batch)
-# whose bytes in all lie in [lo, hi] is copied by torch's own Tensor.copy_ into
-# views of a reserved block: torch's intra-op threads, which stay hot between
-# calls, with the GIL released; only where the calling thread has more than one
-# of them (the DataLoader's pin thread has one, and there the pool is faster at
-# every size). None: never (the copy pool copies every batch). The views are
-# made and filled in the same C call that reserves the block (batch.c), so the
-# range costs what the pool's path does around the copy: about 1.8 us a call on
-# the H100 machine, where torch's own pin spends about 1.7 on its allocator.
+# whose bytes in all lie in [lo, hi] is copied by torch's own intra-op threads,
+# which stay hot between calls, with the GIL released; only where the calling
+# thread has more than one of them (the DataLoader's pin thread has one, and
+# there the pool is faster at every size), and never in a process forked from
+# the one that loaded fastpin (OpenMP's threads do not survive fork). Where
+# torch's parallel backend is OpenMP (its pip wheels for Linux: GNU libgomp),
+# its team copies the batch's bytes in slices, called from C (team.c: one
+# thread per team_grain bytes, torch's own grain for bytes); elsewhere, or with
+# team_grain 0, torch's Tensor.copy_ fills views of the block. None: never (the
+# copy pool copies every batch). Both happen in the same C call that reserves
+# the block (batch.c); through copy_ the range cost what the pool's path does
+# around the copy: about 1.8 us a call on the H100 machine, where torch's own
+# pin spends about 1.7 on its allocator.
 # 256 KiB-16 MiB, from benchmarks/pin_cutover.py (2026-12-06). On the H100
 # machine (16 CPUs, --recommend) torch's copy_ took 1.4-6.9x the pool's GB/s at
 # 1, 2, 4, 8 and 16 MiB, cache-hot and cold, and from 64 MiB less (0.37-0.70x,
@@ -51,7 +56,7 @@ _torch_copy: Optional[tuple] = (256 << 10, 16 << 20)
 # The copy pool's knobs (_C.set_copy_tuning's keywords, and spin and streaming).
 _POOL_SIZES = ("inline_max", "inline_spin", "stream_min", "chunk_min", "chunk_max",
                "chunk_min_spin")
-COPY_KEYS = ("spin_ns", "streaming", *_POOL_SIZES, "torch_copy")
+COPY_KEYS = ("spin_ns", "streaming", *_POOL_SIZES, "torch_copy", "team_grain")
 COPY_ENV = "FASTPIN_COPY"
 
 
@@ -64,9 +69,11 @@ def tune_copy(**knobs) -> dict:
     from stream_min), inline_max (up to this the calling thread copies alone,
     shared only with spinning threads above inline_spin), chunk_min /
     chunk_max / chunk_min_spin (the pieces the pool's threads take), torch_copy
-    ((lo, hi): batches of plain torch tensors of lo to hi bytes go through
-    torch's copy_ where the calling thread has more than one torch thread;
-    None: none do)."""
+    ((lo, hi): batches of plain torch tensors of lo to hi bytes are copied by
+    torch's threads where the calling thread has more than one torch thread;
+    None: none are), team_grain (those batches are copied by torch's OpenMP
+    team directly, a thread per team_grain bytes, where torch's parallel
+    backend is OpenMP; 0: through torch's copy_)."""
     global _torch_copy
     unknown = set(knobs) - set(COPY_KEYS)
     if unknown:
@@ -87,6 +94,8 @@ def tune_copy(**knobs) -> dict:
         _C.set_spin(knobs["spin_ns"])
     if "streaming" in knobs:
         _C.set_streaming(bool(knobs["streaming"]))
+    if "team_grain" in knobs:
+        _C.set_team_grain(knobs["team_grain"])
     if "torch_copy" in knobs:
         _torch_copy = span
         forget_default()
@@ -95,8 +104,9 @@ def tune_copy(**knobs) -> dict:
 
 def copy_tuning() -> dict:
     """How pin_memory copies now: the pool's knobs (see tune_copy), its threads,
-    and spinners (the most of them that may spin at once: the CPUs it may use,
-    less one for the caller)."""
+    spinners (the most of them that may spin at once: the CPUs it may use,
+    less one for the caller), and team (whether torch's OpenMP team was found,
+    which copies the torch_copy span where team_grain is not 0)."""
     out: dict = dict(_C.copy_tuning())
     out["torch_copy"] = _torch_copy
     return out
@@ -281,6 +291,17 @@ def _no_torch_threads() -> int:
 _torch_threads = _no_torch_threads  # torch.get_num_threads once torch is seen
 
 
+def _team_owner(torch: Any) -> Optional[str]:
+    """The library whose OpenMP runtime torch's parallel copies use, where
+    its parallel backend is OpenMP (pip's Linux wheels: libtorch_cpu, linking
+    GNU libgomp); None for any other backend."""
+    try:
+        info = torch.__config__.parallel_info()
+    except Exception:  # an unusual build: torch's copy_ then fills the span
+        return None
+    return "libtorch_cpu." if "parallel backend: OpenMP" in info else None
+
+
 def _use_torch() -> None:
     """Let Arena.pin_tree read and make torch tensors (through torch's DLPack C
     exchange API, where this torch has it), once torch is imported."""
@@ -288,7 +309,7 @@ def _use_torch() -> None:
     torch = sys.modules["torch"]
     _torch_threads = torch.get_num_threads
     api = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
-    if api is not None and not _C.use_torch(torch.Tensor, api):
+    if api is not None and not _C.use_torch(torch.Tensor, api, _team_owner(torch)):
         log.debug("fastpin: torch's DLPack exchange API is of another version; "
                   "pinning torch tensors through the Python pipeline")
     _torch_seen = True
@@ -300,8 +321,7 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     """Return `data` with every tensor and NumPy array leaf copied into page-locked
     memory, in one block of fastpin's arena, by its copy threads with the GIL
     released (a batch of 256 KiB-16 MiB of plain tensors, where the calling thread has
-    more than one torch thread, by torch's own copy_ on those threads: faster
-    there). The structure comes back as it went in (see _walk.map_leaves); torch
+    more than one torch thread, by those threads of torch's: faster there). The structure comes back as it went in (see _walk.map_leaves); torch
     tensors stay torch tensors and arrays stay arrays, subclasses and autograd as
     torch.Tensor.pin_memory() gives them back (what fastpin cannot place in a block,
     such as masked arrays, memmaps, sparse, nested and quantized tensors, goes the
@@ -344,7 +364,7 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     spec = None
     if fast_arena is not None:
         # A batch of torch tensors alone of _torch_copy's size is filled by
-        # torch's copy_, where this thread has several torch threads.
+        # torch's threads, where this thread has several of them.
         span = _torch_copy if _torch_copy is not None and _torch_threads() > 1 else ()
         try:
             # One C call for the common batch (lists, tuples and dicts of plain

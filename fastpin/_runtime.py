@@ -568,7 +568,7 @@ def counters() -> dict:
     counts plus those of pin_memory's C fast path (Arena.pin_batch)."""
     with _counts_lock:
         out = dict(counts)
-    batches, leaves, nbytes, _ = _C.pin_counts()
+    batches, leaves, nbytes = _C.pin_counts()[:3]
     out["batches"] += batches
     out["leaves"] += leaves
     out["bytes"] += nbytes

@@ -727,35 +727,51 @@ from fastpin import _C, _pin  # noqa: E402
 
 
 def by_torch() -> int:
-    """The batches torch's copy_ has filled in this process (Arena.pin_tree's
-    and pin_batch's count)."""
+    """The batches torch's threads have filled in this process, by its copy_
+    or its OpenMP team (Arena.pin_tree's and pin_batch's count)."""
     return _C.pin_counts()[3]
+
+
+def by_team() -> int:
+    """Of those, the batches torch's OpenMP team filled."""
+    return _C.pin_counts()[4]
 
 
 class TorchCopy:
     """Sets the torch_copy range; `taken` records, call by call, whether
-    torch's copy_ filled the batch (True) or the pool copied it (False). Calls
-    from one thread at a time: the count is the process's."""
+    torch's threads filled the batch (True) or the pool copied it (False), and
+    `teamed` whether its OpenMP team did. `via`: "team" or "copy_", how the
+    span is filled in this test. Calls from one thread at a time: the counts
+    are the process's."""
 
-    def __init__(self):
+    def __init__(self, via: str):
+        self.via = via
         self.taken: list = []
+        self.teamed: list = []
 
     def __call__(self, lo, hi):
         _pin.tune_copy(torch_copy=(lo, hi))
 
 
-@pytest.fixture
-def torch_copy(monkeypatch):
-    """A TorchCopy for the test, whose fastpin.pin_memory records each call;
-    every copy knob is put back after."""
+@pytest.fixture(params=["team", "copy_"])
+def torch_copy(request, monkeypatch):
+    """A TorchCopy for the test, whose fastpin.pin_memory records each call,
+    the span filled by torch's OpenMP team (its default grain) or through its
+    copy_ (team_grain 0); every copy knob is put back after."""
+    if not _pin._torch_seen:
+        _pin._use_torch()  # as the first pin_memory of a batch of tensors does
     before = _pin.copy_tuning()
-    tc = TorchCopy()
+    if request.param == "team" and not before["team"]:
+        pytest.skip("torch's parallel backend here is not OpenMP: no team to copy on")
+    _pin.tune_copy(team_grain=before["team_grain"] if request.param == "team" else 0)
+    tc = TorchCopy(request.param)
     real = fastpin.pin_memory
 
     def spy(*args, **kw):
-        count = by_torch()
+        count, teams = by_torch(), by_team()
         out = real(*args, **kw)
         tc.taken.append(by_torch() > count)
+        tc.teamed.append(by_team() > teams)
         return out
 
     monkeypatch.setattr(fastpin, "pin_memory", spy)
@@ -767,9 +783,11 @@ def torch_copy(monkeypatch):
 
 
 def _by_torch(tc, batch, **kw):
-    """pin_memory(batch), asserting torch's copy_ took it (not the pool)."""
+    """pin_memory(batch), asserting torch's threads took it (not the pool), by
+    the way the test asked."""
     out = fastpin.pin_memory(batch, **kw)
-    assert tc.taken[-1:] == [True], "the batch did not go through torch's copy_"
+    assert tc.taken[-1:] == [True], "the batch did not go through torch's threads"
+    assert tc.teamed[-1:] == [tc.via == "team"], f"the batch did not go through {tc.via}"
     return out
 
 
@@ -819,6 +837,7 @@ def test_torch_copy_only_in_its_range(arena, torch_copy):
         x = patterned((nbytes,), torch.uint8, nbytes)
         assert_same(fastpin.pin_memory(x, arena=arena), x)
         assert torch_copy.taken[-1] is taken, nbytes
+        assert torch_copy.teamed[-1] is (taken and torch_copy.via == "team"), nbytes
 
 
 def test_torch_copy_by_default_for_256_kib_to_16_mib(arena, torch_copy):
@@ -829,6 +848,7 @@ def test_torch_copy_by_default_for_256_kib_to_16_mib(arena, torch_copy):
         x = patterned((nbytes,), torch.uint8, nbytes)
         assert_same(fastpin.pin_memory(x, arena=arena), x)
         assert torch_copy.taken[-1] is taken, nbytes
+        assert torch_copy.teamed[-1] is (taken and torch_copy.via == "team"), nbytes
 
 
 def test_torch_copy_not_where_torch_has_one_thread(arena, torch_copy):
@@ -857,6 +877,7 @@ def test_torch_copy_takes_every_batch_of_tensors_the_c_path_takes(arena, torch_c
     for batch in batches:
         out = fastpin.pin_memory(batch, arena=arena)
         assert torch_copy.taken[-1] is True, type(batch)
+        assert torch_copy.teamed[-1] is (torch_copy.via == "team"), type(batch)
         assert type(out) is type(batch)
         for o, i in zip(walk_leaves(out), walk_leaves(batch)):
             assert_same(o, i)
@@ -867,7 +888,8 @@ def test_torch_copy_takes_every_batch_of_tensors_the_c_path_takes(arena, torch_c
 def test_torch_copy_that_torch_refuses_is_copied_by_memcpy(arena, torch_copy, monkeypatch):
     # A dtype whose copy_ torch has no kernel for raises RuntimeError (or
     # TypeError): that leaf is copied byte for byte instead. Anything else
-    # raised goes to the caller, and the block goes with the views.
+    # raised goes to the caller, and the block goes with the views. The team
+    # copies bytes and never calls copy_.
     torch_copy(0, 1 << 40)
     batch = [patterned((300,), torch.int16, 1), patterned((7, 9), torch.float64, 2)]
     refusal = [RuntimeError]
@@ -881,6 +903,11 @@ def test_torch_copy_that_torch_refuses_is_copied_by_memcpy(arena, torch_copy, mo
     for o, i in zip(out, batch):
         assert_same(o, i)
     del out, o
+    if torch_copy.via == "team":
+        refusal[0] = KeyboardInterrupt
+        for o, i in zip(_by_torch(torch_copy, batch, arena=arena), batch):
+            assert_same(o, i)
+        return
     refusal[0] = KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt) as raised:
         fastpin.pin_memory(batch, arena=arena)
@@ -958,6 +985,96 @@ def test_torch_copy_from_many_threads(arena, torch_copy):
     before = by_torch()
     run_threads(pinner, 6)
     assert 0 < by_torch() - before < 6 * 30  # two thirds of them in the range
+
+
+def test_the_team_is_torch_s_own_where_its_backend_is_openmp(torch_copy):
+    # torch's pip wheels for Linux run their parallel ops on GNU libgomp,
+    # linked by libtorch_cpu: found there, the span is the team's by default.
+    openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+    assert _pin.copy_tuning()["team"] is openmp
+    assert _pin._team_owner(torch) == ("libtorch_cpu." if openmp else None)
+    assert _C.copy_tuning()["team_grain"] == 32 << 10 or torch_copy.via == "copy_"
+
+
+def test_no_team_where_torch_has_another_backend():
+    class Config:
+        def __init__(self, info):
+            self.info = info
+
+        def parallel_info(self):
+            if isinstance(self.info, Exception):
+                raise self.info
+            return self.info
+
+    class FakeTorch:
+        pass
+
+    for info, owner in [("ATen parallel backend: native thread pool", None),
+                        (RuntimeError("no parallel info"), None),
+                        ("ATen parallel backend: OpenMP", "libtorch_cpu.")]:
+        fake = FakeTorch()
+        fake.__config__ = Config(info)
+        assert _pin._team_owner(fake) == owner, info
+
+
+def test_a_library_not_loaded_gives_no_team(arena, torch_copy):
+    api = torch.Tensor.__dlpack_c_exchange_api__
+    owner = _pin._team_owner(torch)
+    try:
+        assert _C.use_torch(torch.Tensor, api, "libfastpin-no-such-library.")
+        assert _C.copy_tuning()["team"] is False
+        torch_copy(0, 1 << 40)
+        x = patterned((300_000,), torch.uint8, 8)
+        assert_same(fastpin.pin_memory(x, arena=arena), x)
+        assert torch_copy.taken[-1] is True and torch_copy.teamed[-1] is False  # copy_ fills
+    finally:
+        _C.use_torch(torch.Tensor, api, owner)
+    assert _C.copy_tuning()["team"] is (owner is not None)
+
+
+# A forked child of a process whose torch ran an OpenMP team: GNU libgomp's
+# pool of threads does not survive fork, and a parallel region there waits
+# for them forever (torch's own `a + 2` too). The child pins and exits.
+_FORKED_PIN = """
+import os, sys, time
+import numpy as np, torch, fastpin
+from fastpin import _C, _pin
+torch.set_num_threads(2)
+_pin.tune_copy(torch_copy=(0, 1 << 40), team_grain=int(sys.argv[1]))
+x = torch.arange(1 << 20, dtype=torch.int32) * 7 + 3
+arena = _C.Arena(16 << 20, cuda=False)
+assert np.array_equal(fastpin.pin_memory(x, arena=arena).numpy(), x.numpy())
+pid = os.fork()
+if pid == 0:
+    child_arena = _C.Arena(16 << 20, cuda=False)
+    out = fastpin.pin_memory([x, x[:70_000]], arena=child_arena)
+    ok = np.array_equal(out[0].numpy(), x.numpy()) and np.array_equal(out[1].numpy(), x[:70_000].numpy())
+    os._exit(0 if ok else 3)
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("CHILD", os.waitstatus_to_exitcode(status))
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    print("CHILD hung")
+"""
+
+
+@pytest.mark.parametrize("grain", [32 << 10, 0], ids=["team", "copy_"])
+def test_torch_copy_not_in_a_forked_child(grain):
+    import subprocess
+    import sys
+
+    if grain and _pin._team_owner(torch) is None:
+        pytest.skip("torch's parallel backend here is not OpenMP")
+    proc = subprocess.run([sys.executable, "-c", _FORKED_PIN, str(grain)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "CHILD 0" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
 
 
 @pytest.mark.gpu
