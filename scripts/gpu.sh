@@ -59,7 +59,7 @@
 #   bash scripts/gpu.sh omp          build, then the torch span (256 KiB-16 MiB) copied by
 #                                torch's OpenMP team directly against through its copy_:
 #                                the span's GPU tests, the pin table (default, copy_,
-#                                team_128k; 64 KiB to 64 MiB), install() with num_workers=0
+#                                team_128k; 256 KiB to 16 MiB), install() with num_workers=0
 #                                on tokens, the default and copy_ (about 8 minutes)
 #   bash scripts/gpu.sh team [DIR [NAME=VALUE ...]]  build, then benchmarks/team_copy.c with
 #                                a thread per CPU (a copy team against OpenMP's, memcpy
@@ -270,12 +270,12 @@ fi
 if [ "$what" = omp ]; then
     # The torch span copied by torch's OpenMP team directly (the default)
     # against through its copy_: the span's tests on the GPU, the pin table
-    # (default, copy_, team_128k; 64 KiB to 64 MiB, hot and cold), and
+    # (default, copy_, team_128k; 256 KiB to 16 MiB, hot and cold), and
     # install() with num_workers=0 on tokens, the default and then copy_.
     step timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
         tests/test_pin_default.py tests/test_gpu.py tests/test_pin_memory.py -k "torch_copy or default or gpu"
     step timeout 230 env PYTHONPATH="$PWD" python3 benchmarks/pin_cutover.py --recommend \
-        --sizes 64K 256K 1M 2M 4M 8M 16M 64M --settings default copy_ team_128k --max-seconds 170 \
+        --sizes 256K 1M 2M 4M 8M 16M --settings default copy_ team_128k --max-seconds 150 \
         --json "$OUT/omp_cutover.json"
     for knobs in "" team_grain=0; do
         step timeout 110 env FASTPIN_COPY="$knobs" python3 -m fastpin.bench --case tokens \
