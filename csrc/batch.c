@@ -323,22 +323,29 @@ static PyObject *fp_batch_views(fp_state *st, fp_batch_t *b, PyObject **items, P
     return outs;
 }
 
-/* Bytes of leaf data that torch's copy_ fills instead of the copy pool: a
- * batch of lo to hi bytes whose leaves placed are all torch tensors. */
+/* Bytes of leaf data that torch's threads copy instead of the copy pool: a
+ * batch of lo to hi bytes, by torch's OpenMP team (st->team, where found and
+ * team_grain is not 0), else by its copy_ where every leaf placed is a torch
+ * tensor. */
 typedef struct {
     uint64_t lo, hi;
 } fp_span_t;
 
-/* Whether torch's threads fill this batch (see fp_span_t). Never in a
- * process forked from the one that loaded fastpin: GNU libgomp's pool of
- * threads does not survive fork, and a parallel region in the child of a
- * process that ran one waits for them forever (torch's own ops too); there
- * the copy pool, made anew in each process, copies. */
-static int fp_by_torch(const fp_state *st, const fp_batch_t *b, Py_ssize_t n, uint64_t data,
-                       const fp_span_t *span)
+/* Whether a batch of `data` bytes lies in the torch span, where torch's
+ * threads fill it (see fp_span_t). Never in a process forked from the one
+ * that loaded fastpin: GNU libgomp's pool of threads does not survive fork,
+ * and a parallel region in the child of a process that ran one waits for
+ * them forever (torch's own ops too); there the copy pool, made anew in each
+ * process, copies. */
+static int fp_in_span(const fp_state *st, uint64_t data, const fp_span_t *span)
 {
-    if (!span || data < span->lo || data > span->hi || !fp_same_process(st->pid))
-        return 0;
+    return span && data >= span->lo && data <= span->hi && fp_same_process(st->pid);
+}
+
+/* Whether every leaf of the batch is a torch tensor: torch's copy_ fills
+ * only tensor views (the team copies bytes, arrays' as well). */
+static int fp_all_tensors(const fp_batch_t *b, Py_ssize_t n)
+{
     for (Py_ssize_t i = 0; i < n; i++)
         if (b->leaves[i].kind == FP_LEAF_ARRAY)
             return 0;
@@ -426,8 +433,9 @@ static PyObject *fp_pin_items(fp_state *st, ArenaObject *self, PyObject **items,
         PyErr_Format(st->ArenaFullError, "pin_batch: more bytes than any arena holds (2**43)");
         goto done;
     }
-    int torch_fills = placed && fp_by_torch(st, &b, n, data, by_torch);
-    unsigned team = torch_fills ? fp_team_size(st, data) : 0;
+    int in_span = placed && fp_in_span(st, data, by_torch);
+    unsigned team = in_span ? fp_team_size(st, data) : 0;
+    int torch_fills = in_span && (team || fp_all_tensors(&b, n));
     if (torch_fills && !team)
         for (Py_ssize_t i = 0; i < placed; i++)
             copies[i].src = NULL; /* the block only reserved: torch fills its views */

@@ -151,8 +151,9 @@ class Arena:
         arrays that one memcpy each copies, into one block at GRANULE-aligned
         offsets; their views in order, or None (nothing allocated) when a leaf
         needs the Python pipeline. check_pinned: pinned tensors come back as is.
-        A batch of lo to hi bytes of torch tensors alone is filled by torch's
-        copy_ (its intra-op threads) instead of the copy pool."""
+        A batch of lo to hi bytes is copied by torch's intra-op threads instead
+        of the copy pool: its OpenMP team (use_torch's team, team_grain not 0),
+        else its copy_ into the views, for a batch of torch tensors alone."""
     def pin_tree(self, data: Any, check_pinned: bool, lo: int = ..., hi: int = ...,
                  /) -> Any:
         """pin_batch for a whole batch: a leaf, or exact lists, tuples and dicts of

@@ -20,7 +20,7 @@ log = logging.getLogger("fastpin")
 
 # ---- how the bytes are copied (not yet user settings: measurements pick them) ----
 
-# A batch of torch tensors alone (the C path's: Arena.pin_tree, pin_batch)
+# A batch of tensors and arrays (the C path's: Arena.pin_tree, pin_batch)
 # whose bytes in all lie in [lo, hi] is copied by torch's own intra-op threads,
 # which stay hot between calls, with the GIL released; only where the calling
 # thread has more than one of them (the DataLoader's pin thread has one, and
@@ -29,8 +29,9 @@ log = logging.getLogger("fastpin")
 # torch's parallel backend is OpenMP (its pip wheels for Linux: GNU libgomp),
 # its team copies the batch's bytes in slices, called from C (team.c: one
 # thread per team_grain bytes, torch's own grain for bytes); elsewhere, or with
-# team_grain 0, torch's Tensor.copy_ fills views of the block. None: never (the
-# copy pool copies every batch). Both happen in the same C call that reserves
+# team_grain 0, torch's Tensor.copy_ fills views of the block, for a batch of
+# torch tensors alone (the pool copies one with arrays). None: never (the copy
+# pool copies every batch). Both happen in the same C call that reserves
 # the block (batch.c); through copy_ the range cost what the pool's path does
 # around the copy: about 1.8 us a call on the H100 machine, where torch's own
 # pin spends about 1.7 on its allocator.
@@ -69,11 +70,11 @@ def tune_copy(**knobs) -> dict:
     from stream_min), inline_max (up to this the calling thread copies alone,
     shared only with spinning threads above inline_spin), chunk_min /
     chunk_max / chunk_min_spin (the pieces the pool's threads take), torch_copy
-    ((lo, hi): batches of plain torch tensors of lo to hi bytes are copied by
-    torch's threads where the calling thread has more than one torch thread;
-    None: none are), team_grain (those batches are copied by torch's OpenMP
-    team directly, a thread per team_grain bytes, where torch's parallel
-    backend is OpenMP; 0: through torch's copy_)."""
+    ((lo, hi): batches of lo to hi bytes are copied by torch's threads where
+    the calling thread has more than one torch thread; None: none are),
+    team_grain (those batches are copied by torch's OpenMP team directly, a
+    thread per team_grain bytes, where torch's parallel backend is OpenMP; 0:
+    through torch's copy_, which takes batches of plain torch tensors alone)."""
     global _torch_copy
     unknown = set(knobs) - set(COPY_KEYS)
     if unknown:
@@ -320,9 +321,10 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
                on_full: Optional[str] = None) -> Any:
     """Return `data` with every tensor and NumPy array leaf copied into page-locked
     memory, in one block of fastpin's arena, by its copy threads with the GIL
-    released (a batch of 256 KiB-16 MiB of plain tensors, where the calling thread has
-    more than one torch thread, by those threads of torch's: faster there). The structure comes back as it went in (see _walk.map_leaves); torch
-    tensors stay torch tensors and arrays stay arrays, subclasses and autograd as
+    released (a batch of 256 KiB-16 MiB, where the calling thread has more than
+    one torch thread, by those threads of torch's: faster there). The structure
+    comes back as it went in (see _walk.map_leaves); torch tensors stay torch
+    tensors and arrays stay arrays, subclasses and autograd as
     torch.Tensor.pin_memory() gives them back (what fastpin cannot place in a block,
     such as masked arrays, memmaps, sparse, nested and quantized tensors, goes the
     ordinary way); tensors already pinned come back unchanged; objects with a
@@ -363,8 +365,8 @@ def pin_memory(data: Any, device: Optional[str] = None, *,
     fast_arena = arena if arena is not None else made_default_arena(device)
     spec = None
     if fast_arena is not None:
-        # A batch of torch tensors alone of _torch_copy's size is filled by
-        # torch's threads, where this thread has several of them.
+        # A batch of _torch_copy's size is filled by torch's threads, where
+        # this thread has several of them.
         span = _torch_copy if _torch_copy is not None and _torch_threads() > 1 else ()
         try:
             # One C call for the common batch (lists, tuples and dicts of plain

@@ -922,10 +922,11 @@ def test_torch_copy_leaves_what_it_cannot_take(arena, torch_copy):
     batches = [
         x[:, ::2],                                      # not dense: the pipeline gathers it
         x.clone().requires_grad_(),                     # autograd
-        (x, patterned((5,), np.int32, 2)),              # an array among the tensors: the pool
         torch.nn.Parameter(x.clone()),                  # a subclass
         patterned((3,), torch.complex64, 4).conj(),     # a lazy bit to resolve
     ]
+    if torch_copy.via == "copy_":  # views of arrays are no tensors to copy_ into: the pool
+        batches.append((x, patterned((5,), np.int32, 2)))
     for batch in batches:
         out = fastpin.pin_memory(batch, arena=arena)
         assert torch_copy.taken[-1] is False, type(batch)
@@ -935,6 +936,25 @@ def test_torch_copy_leaves_what_it_cannot_take(arena, torch_copy):
             assert_same(o, i)
             assert not shares_memory(o, i)
     assert fastpin.pin_memory(x.clone().requires_grad_(), arena=arena).requires_grad
+
+
+def test_the_team_copies_arrays_among_the_tensors(arena, torch_copy):
+    # The team copies bytes: a batch in the span with NumPy arrays in it (or
+    # arrays alone) is its as well, where copy_ leaves it to the pool.
+    torch_copy(256 << 10, 1 << 40)
+    batches = [
+        {"x": patterned((300, 1024), torch.float32, 1), "y": patterned((70_001,), np.int16, 2)},
+        [patterned((512, 1024), np.uint8, 3), patterned((3, 5), np.float64, 4)],
+    ]
+    for batch in batches:
+        out = fastpin.pin_memory(batch, arena=arena)
+        assert torch_copy.taken[-1] is (torch_copy.via == "team"), type(batch)
+        assert torch_copy.teamed[-1] is (torch_copy.via == "team"), type(batch)
+        assert type(out) is type(batch)
+        for o, i in zip(walk_leaves(out), walk_leaves(batch)):
+            assert type(o) is type(i)
+            assert_same(o, i)
+            assert in_arena(o, arena) and not shares_memory(o, i)
 
 
 def test_torch_copy_full_arena_keeps_the_policy(small_arena, torch_copy):
