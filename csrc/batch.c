@@ -807,8 +807,6 @@ PyObject *fp_use_torch(PyObject *module, PyObject *args)
     const char *owner = NULL;
     if (!PyArg_ParseTuple(args, "O!O|z:use_torch", &PyType_Type, &type, &capsule, &owner))
         return NULL;
-    if (owner)
-        (void)fp_team_find(owner, &st->team); /* none found: all NULL, copy_ fills the span */
     if (!PyCapsule_IsValid(capsule, "dlpack_exchange_api"))
         Py_RETURN_FALSE;
     const fp_exchange_api_t *api = PyCapsule_GetPointer(capsule, "dlpack_exchange_api");
@@ -841,5 +839,7 @@ PyObject *fp_use_torch(PyObject *module, PyObject *args)
     Py_XSETREF(st->TensorType, Py_NewRef(type));
     Py_XSETREF(st->torch_api_obj, Py_NewRef(capsule));
     st->torch_api = api;
+    if (owner)
+        (void)fp_team_find(owner, &st->team); /* none found: all NULL, copy_ fills the span */
     Py_RETURN_TRUE;
 }
