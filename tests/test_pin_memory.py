@@ -763,7 +763,7 @@ def torch_copy(request, monkeypatch):
     before = _pin.copy_tuning()
     if request.param == "team" and not before["team"]:
         pytest.skip("torch's parallel backend here is not OpenMP: no team to copy on")
-    _pin.tune_copy(team_grain=before["team_grain"] if request.param == "team" else 0)
+    _pin.tune_copy(team_grain=(before["team_grain"] or 32 << 10) if request.param == "team" else 0)
     tc = TorchCopy(request.param)
     real = fastpin.pin_memory
 
