@@ -10,6 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "check.h"
 #include "fastpin.h"
 
 #define CHUNK FP_COPIER_CHUNK
@@ -27,18 +28,6 @@
 #else
 #define SLOW 1
 #endif
-
-static int failures; /* any thread adds, through fp_atomic_add_acq_rel */
-
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fputc('\n', stderr);                                           \
-            fp_atomic_add_acq_rel(&failures, 1);                           \
-        }                                                                  \
-    } while (0)
 
 static uint64_t mix(uint64_t x)
 {

@@ -12,21 +12,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "fastpin.h"
 
 #define GUARD 64 /* bytes checked untouched after a destination */
-
-static int failures; /* any thread adds, through fp_atomic_add_acq_rel */
-
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fputc('\n', stderr);                                           \
-            fp_atomic_add_acq_rel(&failures, 1);                           \
-        }                                                                  \
-    } while (0)
 
 static unsigned char pattern(size_t i, uint64_t seed)
 {
