@@ -273,7 +273,7 @@ if [ "$what" = omp ]; then
     # (default, copy_, team_128k; 256 KiB to 16 MiB, hot and cold), and
     # install() with num_workers=0 on tokens, the default and then copy_.
     step timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
-        tests/test_pin_default.py tests/test_gpu.py tests/test_pin_memory.py -k "torch_copy or default or gpu"
+        tests/test_pin_default.py tests/test_gpu.py tests/test_pin_memory.py -k "torch_copy or team or default or gpu"
     step timeout 230 env PYTHONPATH="$PWD" python3 benchmarks/pin_cutover.py --recommend \
         --sizes 256K 1M 2M 4M 8M 16M --settings default copy_ team_128k --max-seconds 150 \
         --json "$OUT/omp_cutover.json"
