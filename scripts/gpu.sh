@@ -60,7 +60,8 @@
 #                                torch's OpenMP team directly against through its copy_:
 #                                the span's GPU tests, the pin table (default, copy_,
 #                                team_128k; 256 KiB to 16 MiB), install() with num_workers=0
-#                                on tokens, the default and copy_ (about 8 minutes)
+#                                on tokens, the default and copy_ (about 8 minutes);
+#                                `omp short`: default and copy_ alone, to 8 MiB (about 5)
 #   bash scripts/gpu.sh team [DIR [NAME=VALUE ...]]  build, then benchmarks/team_copy.c with
 #                                a thread per CPU (a copy team against OpenMP's, memcpy
 #                                against an AVX2 loop, hot and cold); with DIR (a tree with
@@ -272,15 +273,19 @@ if [ "$what" = omp ]; then
     # against through its copy_: the span's tests on the GPU, the pin table
     # (default, copy_, team_128k; 256 KiB to 16 MiB, hot and cold), and
     # install() with num_workers=0 on tokens, the default and then copy_.
+    # `omp short` (about 5 minutes): default against copy_ alone, to 8 MiB,
+    # two rounds of tokens each.
+    sizes="256K 1M 2M 4M 8M 16M" settings="default copy_ team_128k" budget=150 rounds=3
+    [ "${1:-}" = short ] && sizes="256K 1M 2M 4M 8M" settings="default copy_" budget=110 rounds=2
     step timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
         tests/test_pin_default.py tests/test_gpu.py tests/test_pin_memory.py -k "torch_copy or team or default or gpu"
-    step timeout 230 env PYTHONPATH="$PWD" python3 benchmarks/pin_cutover.py --recommend \
-        --sizes 256K 1M 2M 4M 8M 16M --settings default copy_ team_128k --max-seconds 150 \
+    step timeout $((budget + 80)) env PYTHONPATH="$PWD" python3 benchmarks/pin_cutover.py \
+        --recommend --sizes $sizes --settings $settings --max-seconds $budget \
         --json "$OUT/omp_cutover.json"
     for knobs in "" team_grain=0; do
-        step timeout 110 env FASTPIN_COPY="$knobs" python3 -m fastpin.bench --case tokens \
-            --workers 0 --rounds 3 --path pin_memory --path install --no-progress \
-            --json "$OUT/omp_tokens${knobs:+_copy_}.json"
+        step timeout $((rounds * 30 + 20)) env FASTPIN_COPY="$knobs" python3 -m fastpin.bench \
+            --case tokens --workers 0 --rounds $rounds --path pin_memory --path install \
+            --no-progress --json "$OUT/omp_tokens${knobs:+_copy_}.json"
     done
 fi
 if [ "$what" = team ]; then
