@@ -74,6 +74,9 @@ SETTINGS = {
     "copy_": {"team_grain": 0},
     "team_64k": {"team_grain": 64 * KiB},
     "team_128k": {"team_grain": 128 * KiB},
+    # the span (torch's team) from 128 KiB, where torch's all-thread pin beat
+    # one thread on a cold source
+    "span_128k": {"torch_copy": (128 * KiB, 16 * MiB)},
     # the pool alone (no torch copy_), its threads spinning 100 us, every batch
     # shared: in chunks from 512 KiB, and from 64 KiB (with streaming stores off)
     "pool_spin": {"spin_ns": 100_000, "inline_max": 0, "inline_spin": 0, "torch_copy": None},

@@ -59,7 +59,7 @@
 #   bash scripts/gpu.sh omp          build, then the torch span (256 KiB-16 MiB) copied by
 #                                torch's OpenMP team directly against through its copy_:
 #                                the span's GPU tests, the pin table (default, copy_,
-#                                team_128k; 256 KiB to 16 MiB), install() with num_workers=0
+#                                the span from 128 KiB; 128 KiB to 16 MiB), install() with num_workers=0
 #                                on tokens, the default and copy_ (about 8 minutes);
 #                                `omp short`: default and copy_ alone, to 8 MiB (about 5)
 #   bash scripts/gpu.sh team [DIR [NAME=VALUE ...]]  build, then benchmarks/team_copy.c with
@@ -271,11 +271,11 @@ fi
 if [ "$what" = omp ]; then
     # The torch span copied by torch's OpenMP team directly (the default)
     # against through its copy_: the span's tests on the GPU, the pin table
-    # (default, copy_, team_128k; 256 KiB to 16 MiB, hot and cold), and
+    # (default, copy_, the span from 128 KiB; 128 KiB to 16 MiB, hot and cold), and
     # install() with num_workers=0 on tokens, the default and then copy_.
     # `omp short` (about 5 minutes): default against copy_ alone, to 8 MiB,
     # two rounds of tokens each.
-    sizes="256K 1M 2M 4M 8M 16M" settings="default copy_ team_128k" budget=150 rounds=3
+    sizes="128K 256K 1M 2M 4M 8M 16M" settings="default copy_ span_128k" budget=170 rounds=3
     [ "${1:-}" = short ] && sizes="256K 1M 2M 4M 8M" settings="default copy_" budget=110 rounds=2
     step timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
         tests/test_pin_default.py tests/test_gpu.py tests/test_pin_memory.py -k "torch_copy or team or default or gpu"
