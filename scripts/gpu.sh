@@ -60,8 +60,8 @@
 #                                torch's OpenMP team directly against through its copy_:
 #                                the span's GPU tests, the pin table (default, copy_,
 #                                the span from 128 KiB; 128 KiB to 16 MiB), install() with num_workers=0
-#                                on tokens, the default and copy_ (about 8 minutes);
-#                                `omp short`: default and copy_ alone, to 8 MiB (about 5)
+#                                on tokens, the default and copy_ (about 5 minutes);
+#                                `omp short`: default and copy_ alone, to 8 MiB (about 3)
 #   bash scripts/gpu.sh team [DIR [NAME=VALUE ...]]  build, then benchmarks/team_copy.c with
 #                                a thread per CPU (a copy team against OpenMP's, memcpy
 #                                against an AVX2 loop, hot and cold); with DIR (a tree with
@@ -273,7 +273,7 @@ if [ "$what" = omp ]; then
     # against through its copy_: the span's tests on the GPU, the pin table
     # (default, copy_, the span from 128 KiB; 128 KiB to 16 MiB, hot and cold), and
     # install() with num_workers=0 on tokens, the default and then copy_.
-    # `omp short` (about 5 minutes): default against copy_ alone, to 8 MiB,
+    # `omp short` (about 3 minutes): default against copy_ alone, to 8 MiB,
     # two rounds of tokens each.
     sizes="128K 256K 1M 2M 4M 8M 16M" settings="default copy_ span_128k" budget=170 rounds=3
     [ "${1:-}" = short ] && sizes="256K 1M 2M 4M 8M" settings="default copy_" budget=110 rounds=2
